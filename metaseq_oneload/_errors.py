@@ -1,0 +1,36 @@
+"""The errors this package raises on purpose.
+
+Every message says what was found, what was expected and what to do, and names the
+file(s) involved. Tests pin the wording with ``pytest.raises(..., match=...)``.
+"""
+
+from __future__ import annotations
+
+
+class OneloadError(RuntimeError):
+    """Base class of every error metaseq-oneload raises on purpose."""
+
+
+class CheckpointLayoutError(OneloadError):
+    """The files do not form one complete, consistent checkpoint (missing shard, mixed
+    runs, truncated or non-checkpoint file, ambiguous folder, symlink loop...)."""
+
+
+class UnsafeCheckpointError(OneloadError):
+    """A checkpoint's pickle needs a class outside the allowlist; nothing was executed."""
+
+
+class StateDictMismatchError(OneloadError):
+    """The target (module or requested layout) does not match the checkpoint: missing,
+    unexpected or wrongly shaped tensors. Raised before any weight is written."""
+
+
+class DistributedLoadError(OneloadError):
+    """Raised on every rank when any rank of a collective load failed.
+
+    ``failures`` maps the global rank of each failing rank to its message.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})

@@ -1,0 +1,929 @@
+"""What is on disk: file-name grammar, discovery, and the :class:`CheckpointLayout`.
+
+Nothing here reads tensor data. :func:`discover` turns any path a user might pass (a
+folder, any file of a set, a ``checkpoint_last`` link, the un-suffixed name metaseq scripts
+take, a glob) into one complete, validated description of a checkpoint set, using only the
+file names and the pickled headers (:func:`~metaseq_oneload._reading.read_header`).
+
+The grammar, as metaseq and fairseq write it::
+
+    X.pt                              singleton (also X_consolidated.pt, restored.pt, ...)
+    X-model_part-{m}.pt               model-parallel part m (OPT: reshard-model_part-{m}.pt)
+    X-model_part-{m}-shard{d}.pt      FSDP shard d of part m (OPT-66B: ...-shard0.pt only)
+    X-shard{d}.pt                     FSDP shard d, no model parallelism (fairseq style)
+    X_part{k}.pt                      fairseq checkpoint_shard_count > 1 (FSDP shards)
+
+When the files and their ``cfg`` disagree (a consolidated file keeps the cfg of the run it
+came from), the files win and the disagreement becomes a warning.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ._errors import CheckpointLayoutError
+from ._reading import Extent, _file_kind, key_path, read_header, storage_byte_offset
+
+__all__ = ["FileName", "CheckpointLayout", "discover"]
+
+_NAME_RE = re.compile(
+    r"^(?P<prefix>.+?)"
+    r"(?:-model_part-(?P<part>\d+))?"
+    r"(?:-shard(?P<shard>\d+)|_part(?P<kpart>\d+))?"
+    r"\.pt$"
+)
+_POINTER_MAX_BYTES = 4096
+_MAX_POINTER_HOPS = 40
+# Buffers that metaseq/fairseq models register; everything else in an unflattened state
+# dict is a parameter as far as the parameter count is concerned.
+_BUFFER_SUFFIXES = (".version", "._float_tensor")
+
+
+@dataclass(frozen=True)
+class FileName:
+    """One file name of a checkpoint set, parsed."""
+
+    prefix: str
+    part: Optional[int] = None
+    shard: Optional[int] = None
+    shard_style: str = "-shard"  # "-shard" (metaseq) or "_part" (fairseq checkpoint_shard_count)
+
+    @classmethod
+    def parse(cls, name: str) -> Optional["FileName"]:
+        m = _NAME_RE.match(name)
+        if m is None:
+            return None
+        part = m.group("part")
+        shard, style = m.group("shard"), "-shard"
+        if m.group("kpart") is not None:
+            shard, style = m.group("kpart"), "_part"
+        return cls(m.group("prefix"), None if part is None else int(part),
+                   None if shard is None else int(shard), style)
+
+    @property
+    def pattern(self) -> tuple:
+        """What must agree between members of one set (which suffixes are present)."""
+        return (self.part is not None, self.shard is not None, self.shard_style)
+
+    def format(self, part: Optional[int] = None, shard: Optional[int] = None) -> str:
+        part = self.part if part is None else part
+        shard = self.shard if shard is None else shard
+        name = self.prefix
+        if self.part is not None:
+            name += f"-model_part-{part}"
+        if self.shard is not None:
+            name += f"{self.shard_style}{shard}"
+        return name + ".pt"
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """One file of the set, at grid position [part][shard]."""
+
+    path: str
+    part: int
+    shard: int
+    size: int
+    format: str  # "zip" (range-readable) or "legacy" (read whole)
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """One FSDP flat parameter of one model part, as its shards store it.
+
+    Shard ``d`` holds ``shard_numels[d]`` elements of which the last ``paddings[d]`` are
+    padding; the real elements of all shards, concatenated in shard order, are the member
+    tensors ``names`` flattened and concatenated.
+    """
+
+    key: str
+    fsdp_path: str
+    names: tuple
+    shapes: tuple
+    numels: tuple
+    shard_numels: tuple
+    paddings: tuple
+    dtype: torch.dtype
+
+    @property
+    def total_numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def real_numels(self) -> tuple:
+        return tuple(n - p for n, p in zip(self.shard_numels, self.paddings))
+
+    @property
+    def local_names(self) -> tuple:
+        cut = len(self.fsdp_path) + 1 if self.fsdp_path else 0
+        return tuple(n[cut:] for n in self.names)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One logical (unflattened) tensor of one model part, wherever its bytes live."""
+
+    name: str
+    part: int
+    dtype: torch.dtype
+    shape: tuple
+    extents: tuple  # of Extent, covering the flattened tensor in order
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """Everything one model-parallel part holds: its tensors (flat params unflattened),
+    the flat-parameter structure when the part is FSDP-sharded, buffers and ties."""
+
+    index: int
+    tensors: Mapping[str, StoredTensor]
+    flat_params: tuple  # of FlatParam; empty when not flattened
+    buffer_names: tuple
+    shared: tuple  # (source name, tied alias name) pairs
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What the checkpoint's ``cfg`` (or old fairseq ``args``) says about its layout."""
+
+    model_parallel_size: Optional[int] = None
+    checkpoint_shard_count: Optional[int] = None
+    use_sharded_state: Optional[bool] = None
+    ddp_backend: Optional[str] = None
+    distributed_world_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """A complete, validated checkpoint set. Derived facts are properties, not fields."""
+
+    directory: str
+    prefix: str
+    name: FileName
+    files: tuple  # [part][shard] of CheckpointFile
+    parts: tuple  # of ModelPart
+    cfg: CheckpointSettings
+    metadata_key: Optional[str]  # "shard_metadata" (metaseq/fairscale), "fsdp_metadata" (fairseq)
+    aliases: tuple  # other names that point into this set (checkpoint_last-*.pt links)
+    num_updates: Optional[int]
+    flavor: str = "pytorch"  # "metaseq", "fairseq" or "pytorch" (a bare state dict)
+    warnings: tuple = field(default=())
+
+    @property
+    def model_parallel_size(self) -> int:
+        return len(self.files)
+
+    @property
+    def shards_per_part(self) -> int:
+        return len(self.files[0])
+
+    @property
+    def flat(self) -> bool:
+        return bool(self.parts[0].flat_params)
+
+    @property
+    def kind(self) -> str:
+        if self.flat or self.shards_per_part > 1:
+            return "fsdp_sharded"
+        return "model_parallel" if self.model_parallel_size > 1 else "singleton"
+
+    @property
+    def use_sharded_state(self) -> bool:
+        return self.kind == "fsdp_sharded"
+
+    @property
+    def saved_world_size(self) -> int:
+        return self.model_parallel_size * self.shards_per_part
+
+    @property
+    def all_files(self) -> tuple:
+        return tuple(f for row in self.files for f in row)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(f.size for f in self.all_files)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of model tensors stored across all files (what a full load reads)."""
+        return sum(t.nbytes for p in self.parts for t in p.tensors.values())
+
+    @property
+    def dtypes(self) -> tuple:
+        return tuple(sorted({str(t.dtype).replace("torch.", "") for p in self.parts for t in p.tensors.values()}))
+
+    @property
+    def num_params(self) -> int:
+        """Elements of the model's parameters as the full model holds them: model-parallel
+        replicas counted once, buffers and tied aliases not counted."""
+        from ._plan import canonical_numels  # the model-parallel rules live with the planner
+
+        return canonical_numels(self)
+
+    @property
+    def display_name(self) -> str:
+        return os.path.join(self.directory, self.prefix)
+
+    def model_args(self) -> dict:
+        """The model's hyper-parameters (``cfg.model`` or old fairseq ``args``) as a dict."""
+        header = self.header()
+        if not isinstance(header, Mapping):
+            return {}
+        for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
+            if candidate is None:
+                continue
+            if isinstance(candidate, Mapping):
+                return dict(candidate)
+            return dict(vars(candidate))
+        return {}
+
+    def header(self, part: int = 0, shard: int = 0) -> Any:
+        """(local) The pickled object of one file, tensors on ``meta`` (cached)."""
+        return read_header(self.files[part][shard].path)
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary; the fields are documented in docs/inspect.md."""
+        return {
+            "path": self.display_name,
+            "kind": self.kind,
+            "model_parallel_size": self.model_parallel_size,
+            "shards_per_part": self.shards_per_part,
+            "flat": self.flat,
+            "use_sharded_state": self.use_sharded_state,
+            "saved_world_size": self.saved_world_size,
+            "files": [[f.path for f in row] for row in self.files],
+            "aliases": list(self.aliases),
+            "num_params": self.num_params,
+            "total_bytes": self.total_bytes,
+            "file_bytes": self.file_bytes,
+            "dtypes": list(self.dtypes),
+            "num_updates": self.num_updates,
+            "flavor": self.flavor,
+            "metadata_key": self.metadata_key,
+            "flat_params": [
+                {
+                    "part": p.index,
+                    "key": fp.key,
+                    "names": list(fp.names),
+                    "shapes": [list(s) for s in fp.shapes],
+                    "numels": list(fp.numels),
+                    "shard_numels": list(fp.shard_numels),
+                    "paddings": list(fp.paddings),
+                }
+                for p in self.parts for fp in p.flat_params
+            ],
+            "buffers": list(self.parts[0].buffer_names),
+            "cfg": {
+                "common.model_parallel_size": self.cfg.model_parallel_size,
+                "checkpoint.checkpoint_shard_count": self.cfg.checkpoint_shard_count,
+                "distributed_training.use_sharded_state": self.cfg.use_sharded_state,
+                "distributed_training.ddp_backend": self.cfg.ddp_backend,
+                "distributed_training.distributed_world_size": self.cfg.distributed_world_size,
+            },
+            "warnings": list(self.warnings),
+        }
+
+    def fingerprint(self) -> str:
+        """A digest of everything that decides which bytes go where: ranks compare it
+        before reading, so a rank that sees other files makes every rank stop."""
+        desc = {
+            "files": [[(f.path, f.size) for f in row] for row in self.files],
+            "tensors": [
+                [(t.name, str(t.dtype), list(t.shape), [(e.path, e.byte_offset, e.numel) for e in t.extents])
+                 for t in p.tensors.values()]
+                for p in self.parts
+            ],
+        }
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- pointers
+
+
+def _read_pointer(path: str) -> Optional[str]:
+    """The target name if ``path`` is a tiny text file holding a checkpoint file name (how
+    a symlink looks after a copy that does not keep links, e.g. a git checkout)."""
+    try:
+        if os.path.getsize(path) > _POINTER_MAX_BYTES:
+            return None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not text or "\n" in text or not text.endswith(".pt") or "\x00" in text:
+        return None
+    return text
+
+
+def _resolve(path: str) -> str:
+    """Follow symlinks and text pointers to the real file; raise on loops and dangling
+    links."""
+    chain = [path]
+    current = path
+    for _ in range(_MAX_POINTER_HOPS):
+        try:
+            real = os.path.realpath(current, strict=True)
+        except OSError as e:
+            if os.path.islink(current) and ("loop" in str(e).lower() or getattr(e, "errno", None) == 40):
+                raise CheckpointLayoutError(
+                    f"{path}: symlink loop ({' -> '.join(chain)} -> ...); point the link at a real "
+                    "checkpoint file."
+                ) from None
+            if os.path.lexists(current) or len(chain) > 1:
+                raise CheckpointLayoutError(
+                    f"{path}: dangling link: {' -> '.join(chain)} does not exist. Re-create the link "
+                    "or pass the checkpoint's real file name."
+                ) from None
+            raise CheckpointLayoutError(f"{path}: no such file.") from None
+        if os.path.isdir(real):
+            return real
+        target = _read_pointer(real)
+        if target is None:
+            return real
+        nxt = os.path.join(os.path.dirname(real), target)
+        if os.path.realpath(nxt) in {os.path.realpath(c) for c in chain}:
+            raise CheckpointLayoutError(
+                f"{path}: link loop ({' -> '.join(chain + [nxt])}); point the link at a real "
+                "checkpoint file."
+            )
+        chain.append(nxt)
+        current = nxt
+    raise CheckpointLayoutError(f"{path}: more than {_MAX_POINTER_HOPS} links deep ({' -> '.join(chain[:5])} ...).")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One *.pt entry of a folder: its own name, and the real file it resolves to."""
+
+    name: str
+    parsed: FileName
+    real: str
+
+    @property
+    def real_name(self) -> Optional[FileName]:
+        return FileName.parse(os.path.basename(self.real))
+
+    @property
+    def set_key(self) -> tuple:
+        rn = self.real_name
+        return (os.path.dirname(self.real), rn.prefix if rn else os.path.basename(self.real))
+
+
+def _scan(directory: str) -> list:
+    """The folder's *.pt entries, resolved. A broken link is skipped here: if it belonged
+    to the set the user asked for, the grid check names the missing file instead."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise CheckpointLayoutError(f"{directory}: cannot list the folder ({e.strerror or e}).") from e
+    entries = []
+    for n in names:
+        parsed = FileName.parse(n)
+        full = os.path.join(directory, n)
+        if parsed is None or os.path.isdir(full):
+            continue
+        try:
+            entries.append(_Entry(n, parsed, _resolve(full)))
+        except CheckpointLayoutError:
+            continue
+    return entries
+
+
+# --------------------------------------------------------------------------- sets
+
+
+@dataclass(frozen=True)
+class _FileSet:
+    directory: str
+    prefix: str
+    members: tuple  # real paths
+    aliases: tuple  # entry names pointing into the set that are not its real names
+
+
+def _set_from(key: tuple, entries: Iterable) -> _FileSet:
+    directory, prefix = key
+    members, aliases = set(), set()
+    for e in entries:
+        if e.set_key != key:
+            continue
+        members.add(e.real)
+        if os.path.join(directory, e.name) != e.real:
+            aliases.add(e.name)
+    # Real files of the set that no scanned entry named (e.g. the entry was a link from
+    # another folder): take them from the target folder itself.
+    if directory:
+        for e in _scan(directory):
+            if e.set_key == key:
+                members.add(e.real)
+                if os.path.join(directory, e.name) != e.real:
+                    aliases.add(e.name)
+    return _FileSet(directory, prefix, tuple(sorted(members)), tuple(sorted(aliases)))
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    try:
+        obj = read_header(path)
+    except CheckpointLayoutError:
+        return False
+    return _model_dict(obj) is not None
+
+
+def _describe_sets(sets: Sequence[_FileSet]) -> str:
+    return ", ".join(f"{s.prefix} ({len(s.members)} file{'s' * (len(s.members) != 1)})" for s in sets)
+
+
+def _resolve_set(path: str) -> _FileSet:
+    path = os.fspath(path)
+    if glob.has_magic(path):
+        matches = [m for m in sorted(glob.glob(path)) if not os.path.isdir(m)]
+        if not matches:
+            raise CheckpointLayoutError(f"{path}: the pattern matches no files.")
+        entries = [_Entry(os.path.basename(m), FileName.parse(os.path.basename(m)) or FileName(m), _resolve(m))
+                   for m in matches]
+        keys = sorted({e.set_key for e in entries})
+        if len(keys) > 1:
+            raise CheckpointLayoutError(
+                f"{path}: the pattern matches files of {len(keys)} different checkpoints "
+                f"({', '.join(os.path.join(*k) for k in keys)}); narrow it to one."
+            )
+        return _set_from(keys[0], entries)
+
+    if os.path.isdir(path):
+        entries = _scan(path)
+        if not entries:
+            raise CheckpointLayoutError(
+                f"{path}: the folder holds no *.pt files; expected a checkpoint such as "
+                "checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
+            )
+        by_key: dict = {}
+        for e in entries:
+            by_key.setdefault(e.set_key, []).append(e)
+        last = [e for e in entries if e.parsed.prefix == "checkpoint_last"]
+        if last:
+            keys = sorted({e.set_key for e in last})
+            if len(keys) > 1:
+                raise CheckpointLayoutError(
+                    f"{path}: the checkpoint_last files point to {len(keys)} different checkpoints "
+                    f"({', '.join(k[1] for k in keys)}); fix the links."
+                )
+            return _set_from(keys[0], entries)
+        sets = [_set_from(k, v) for k, v in sorted(by_key.items())]
+        if len(sets) > 1:
+            sets = [s for s in sets if _looks_like_checkpoint(s.members[0])] or sets
+        if len(sets) == 1:
+            return sets[0]
+        raise CheckpointLayoutError(
+            f"{path}: the folder holds {len(sets)} checkpoints and no checkpoint_last: "
+            f"{_describe_sets(sets)}. Choose one by passing its name, e.g. "
+            f"{os.path.join(path, sets[-1].prefix + '.pt')}."
+        )
+
+    if os.path.lexists(path):
+        real = _resolve(path)
+        if os.path.isdir(real):
+            return _resolve_set(real)
+        entry = _Entry(os.path.basename(path), FileName.parse(os.path.basename(path)) or FileName(path), real)
+        if entry.real_name is None:
+            raise CheckpointLayoutError(
+                f"{path}: not a checkpoint file name: expected a name ending in .pt "
+                "(X.pt, X-model_part-M.pt, X-model_part-M-shardD.pt, X-shardD.pt, X_partK.pt)."
+            )
+        return _set_from(entry.set_key, [entry])
+
+    # The un-suffixed name metaseq scripts take: X.pt where only X-model_part-*.pt,
+    # X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt).
+    directory, base = os.path.split(path)
+    directory = directory or "."
+    if not base.endswith(".pt") or not os.path.isdir(directory):
+        raise CheckpointLayoutError(f"{path}: no such file or folder.")
+    stem = base[:-3]
+    entries = [e for e in _scan(directory) if e.parsed.prefix == stem]
+    if not entries:
+        raise CheckpointLayoutError(
+            f"{path}: no such file, and no {stem}-model_part-*.pt, {stem}-shard*.pt or {stem}_part*.pt "
+            f"beside it in {os.path.abspath(directory)}. Pass an existing file or the folder."
+        )
+    keys = sorted({e.set_key for e in entries})
+    if len(keys) > 1:
+        raise CheckpointLayoutError(
+            f"{path}: the files named {stem}-* point to {len(keys)} different checkpoints "
+            f"({', '.join(k[1] for k in keys)}); fix the links or pass one file."
+        )
+    return _set_from(keys[0], entries)
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def _model_dict(obj: Any) -> Optional[Mapping]:
+    """The model state dict inside a checkpoint object, or None if it has none."""
+    if not isinstance(obj, Mapping):
+        return None
+    model = obj.get("model")
+    if isinstance(model, Mapping) and model and all(torch.is_tensor(v) for v in model.values()):
+        return model
+    if obj and all(isinstance(k, str) for k in obj) and all(torch.is_tensor(v) for v in obj.values()):
+        return obj  # a bare state dict (plain PyTorch)
+    return None
+
+
+def _model_key(obj: Mapping, name: str) -> str:
+    return key_path("model", name) if isinstance(obj.get("model"), Mapping) else key_path(name)
+
+
+def _get(container: Any, key: str) -> Any:
+    """``container[key]`` for dicts and DictConfigs, ``container.key`` for Namespaces."""
+    if container is None:
+        return None
+    if isinstance(container, Mapping):
+        try:
+            return container.get(key)
+        except Exception:  # an interpolation that cannot resolve outside its app
+            return None
+    return getattr(container, key, None)
+
+
+def _cfg_value(header: Any, section: str, key: str) -> Any:
+    if not isinstance(header, Mapping):
+        return None
+    value = _get(_get(header.get("cfg"), section), key)
+    if value is None:
+        value = _get(_get(header.get("cfg"), "model"), key)
+    if value is None:
+        value = _get(header.get("args"), key)
+    return value
+
+
+def _settings(header: Any) -> CheckpointSettings:
+    def as_int(v):
+        return None if v is None else int(v)
+
+    usv = _cfg_value(header, "distributed_training", "use_sharded_state")
+    ddp = _cfg_value(header, "distributed_training", "ddp_backend")
+    return CheckpointSettings(
+        model_parallel_size=as_int(_cfg_value(header, "common", "model_parallel_size")),
+        checkpoint_shard_count=as_int(_cfg_value(header, "checkpoint", "checkpoint_shard_count")),
+        use_sharded_state=None if usv is None else bool(usv),
+        ddp_backend=None if ddp is None else str(ddp),
+        distributed_world_size=as_int(_cfg_value(header, "distributed_training", "distributed_world_size")),
+    )
+
+
+def _run_id(header: Any) -> tuple:
+    """What every file of one save shares: the update count and training position."""
+    if not isinstance(header, Mapping):
+        return ()
+    updates = None
+    hist = header.get("optimizer_history")
+    if isinstance(hist, (list, tuple)) and hist and isinstance(hist[-1], Mapping):
+        updates = hist[-1].get("num_updates")
+    it = _get(header.get("extra_state"), "train_iterator")
+    return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"))
+
+
+def _flat_metadata(header: Mapping) -> tuple:
+    for key in ("shard_metadata", "fsdp_metadata"):
+        md = header.get(key)
+        if isinstance(md, Mapping) and "param_metadata" in md:
+            return key, md
+    return None, None
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    expected, stride = 1, []
+    for s in reversed(t.shape):
+        stride.append(expected)
+        expected *= s
+    return t.dim() == 0 or all(st == ex or sz == 1 for st, ex, sz in zip(t.stride(), reversed(stride), t.shape))
+
+
+def _direct_extent(path: str, fmt: str, obj: Mapping, name: str, t: torch.Tensor) -> Extent:
+    offset = storage_byte_offset(t) if fmt == "zip" and _contiguous(t) else None
+    return Extent(path, _model_key(obj, name), 0, t.numel(), offset)
+
+
+def _fmt_list(xs: Iterable[int]) -> str:
+    return ",".join(str(x) for x in xs)
+
+
+def _check_grid(fs: _FileSet) -> tuple:
+    """Parse member names into a [part][shard] grid; raise on mixed or missing files."""
+    parsed = {p: FileName.parse(os.path.basename(p)) for p in fs.members}
+    patterns = {n.pattern for n in parsed.values()}
+    if len(patterns) > 1:
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, fs.prefix)}: mixed naming in one set: "
+            f"{', '.join(sorted(os.path.basename(p) for p in fs.members))}. Expected every file to "
+            "carry the same suffixes (all -model_part-M, all -shardD, or none); move the odd ones out."
+        )
+    any_name = next(iter(parsed.values()))
+    grid: dict = {}
+    for path, n in parsed.items():
+        grid.setdefault(n.part or 0, {})[n.shard or 0] = path
+    parts = sorted(grid)
+    n_parts = parts[-1] + 1
+    if parts != list(range(n_parts)):
+        missing = [m for m in range(n_parts) if m not in grid]
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, any_name.format(part='{..}'))}: found model parts "
+            f"{_fmt_list(parts)} of {n_parts} (missing {', '.join(any_name.format(part=m, shard=0 if any_name.shard is not None else None) for m in missing)}). "
+            "Copy the missing part(s) next to the others."
+        )
+    n_shards = max(max(row) for row in grid.values()) + 1
+    for m in parts:
+        have = sorted(grid[m])
+        if have != list(range(n_shards)):
+            missing = [d for d in range(n_shards) if d not in grid[m]]
+            label = any_name.format(part=m, shard="{..}") if any_name.part is not None else any_name.format(shard="{..}")
+            raise CheckpointLayoutError(
+                f"{os.path.join(fs.directory, label.replace('{..}', '{0..%d}' % (n_shards - 1)))}: "
+                f"found shards {_fmt_list(have)} of {n_shards} "
+                f"(missing {', '.join(any_name.format(part=m, shard=d) for d in missing)}). "
+                "Copy the missing shard(s) next to the others."
+            )
+    return any_name, [[grid[m][d] for d in range(n_shards)] for m in range(n_parts)]
+
+
+def _read_headers(paths: Sequence[str]) -> dict:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        return dict(zip(paths, pool.map(read_header, paths)))
+
+
+def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, metadata_key: Optional[str]) -> ModelPart:
+    label = lambda f: os.path.basename(f.path)  # noqa: E731
+    first = headers[files[0].path]
+    model0 = _model_dict(first)
+    tensors: dict = {}
+    if metadata_key is None:
+        if len(files) > 1:
+            raise CheckpointLayoutError(
+                f"{files[0].path}: {len(files)} shard files but none carries shard_metadata or "
+                "fsdp_metadata, so how they split the model cannot be known. Expected FSDP "
+                "local_state_dict shards written with use_sharded_state."
+            )
+        for name, t in model0.items():
+            tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
+                                         (_direct_extent(files[0].path, files[0].format, first, name, t),))
+        buffers = tuple(n for n in tensors if n.endswith(_BUFFER_SUFFIXES))
+        return ModelPart(index, tensors, (), buffers, ())
+
+    metas = [headers[f.path][metadata_key] for f in files]
+    models = [_model_dict(headers[f.path]) for f in files]
+
+    def structure(md: Mapping) -> list:
+        return [(pm.get("fsdp_path", ""), k, list(v["names"]), [tuple(s) for s in v["shapes"]], list(v["numels"]))
+                for pm in md["param_metadata"] for k, v in pm["params"].items()]
+
+    ref = structure(metas[0])
+    for f, md, model in zip(files, metas, models):
+        if structure(md) != ref:
+            raise CheckpointLayoutError(
+                f"{f.path}: its {metadata_key} differs from {label(files[0])}'s (other parameter "
+                "names, shapes or grouping): shards of different checkpoints are mixed in one set. "
+                "Keep only the shards written by one save."
+            )
+        if set(model) != set(models[0]):
+            raise CheckpointLayoutError(
+                f"{f.path}: holds tensors {sorted(set(model) ^ set(models[0]))[:5]} that "
+                f"{label(files[0])} does not (or the reverse): shards of different checkpoints are mixed."
+            )
+
+    flat_params = []
+    flat_keys = set()
+    for pm in metas[0]["param_metadata"]:
+        fsdp_path = pm.get("fsdp_path", "") or ""
+        for flat_name, v in pm["params"].items():
+            key = f"{fsdp_path}.{flat_name}" if fsdp_path else flat_name
+            flat_keys.add(key)
+            shard_numels, paddings = [], []
+            for f, md, model in zip(files, metas, models):
+                if key not in model:
+                    raise CheckpointLayoutError(f"{f.path}: {metadata_key} lists flat parameter {key} but the file has no such tensor.")
+                padding = next(p["params"][flat_name].get("padding", 0) for p in md["param_metadata"]
+                               if (p.get("fsdp_path", "") or "") == fsdp_path)
+                shard_numels.append(model[key].numel())
+                paddings.append(int(padding or 0))
+            names = tuple(f"{fsdp_path}.{n}" if fsdp_path else n for n in v["names"])
+            fp = FlatParam(key, fsdp_path, names, tuple(tuple(int(x) for x in s) for s in v["shapes"]),
+                           tuple(int(x) for x in v["numels"]), tuple(shard_numels), tuple(paddings),
+                           models[0][key].dtype)
+            _check_flat(fp, files)
+            flat_params.append(fp)
+            tensors.update(_unflatten(fp, index, files, headers))
+    buffer_names = tuple(metas[0].get("buffer_names", ()) or ())
+    for name, t in model0.items():
+        if name not in flat_keys:
+            tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
+                                         (_direct_extent(files[0].path, files[0].format, first, name, t),))
+    shared = []
+    for pm in metas[0]["param_metadata"]:
+        fsdp_path = pm.get("fsdp_path", "") or ""
+        for pair in pm.get("shared_param_info", ()) or ():
+            src, dst = pair[0], pair[1]
+            shared.append((f"{fsdp_path}.{src}" if fsdp_path else src, f"{fsdp_path}.{dst}" if fsdp_path else dst))
+    return ModelPart(index, tensors, tuple(flat_params), buffer_names, tuple(shared))
+
+
+def _check_flat(fp: FlatParam, files: Sequence[CheckpointFile]) -> None:
+    where = f"{os.path.basename(files[0].path)}..{os.path.basename(files[-1].path)}"
+    if len(set(fp.shard_numels)) > 1:
+        sizes = ", ".join(f"{os.path.basename(f.path)}: {n}" for f, n in zip(files, fp.shard_numels))
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key} has a different size in each shard ({sizes}); every shard of one save "
+            "has the same size (the last one padded). Shards of different saves are mixed: keep only "
+            "the files written by one save."
+        )
+    if any(p < 0 or p > n for n, p in zip(fp.shard_numels, fp.paddings)):
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key}: padding {list(fp.paddings)} does not fit shard sizes "
+            f"{list(fp.shard_numels)}: the shard_metadata is inconsistent with the tensors."
+        )
+    seen_padding = False
+    for f, real in zip(files, fp.real_numels):
+        if seen_padding and real > 0:
+            raise CheckpointLayoutError(
+                f"{f.path}: {fp.key}: holds {real} elements after an earlier shard ended in padding "
+                f"(paddings {list(fp.paddings)}): inconsistent padding across shards; expected padding "
+                "only at the end, as fairscale writes it. The shards come from different saves or were edited."
+            )
+        seen_padding = seen_padding or real < (fp.shard_numels[0] if fp.shard_numels else 0)
+    held = sum(fp.real_numels)
+    if held != fp.total_numel:
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key}: the {len(files)} shard(s) hold {held} elements but its metadata "
+            f"lists {fp.total_numel} ({len(fp.names)} tensors): "
+            + ("a shard is missing (the set ends early) or " if held < fp.total_numel else "")
+            + "the padding recorded in shard_metadata is wrong. Expected one complete set written by one save."
+        )
+
+
+def _unflatten(fp: FlatParam, part: int, files: Sequence[CheckpointFile], headers: Mapping) -> dict:
+    """Member tensors of a flat parameter as runs of bytes across the shard files."""
+    starts, pos = [], 0
+    for real in fp.real_numels:
+        starts.append(pos)
+        pos += real
+    out = {}
+    offset = 0
+    for name, shape, numel in zip(fp.names, fp.shapes, fp.numels):
+        extents = []
+        lo, hi = offset, offset + numel
+        for f, start, real in zip(files, starts, fp.real_numels):
+            a, b = max(lo, start), min(hi, start + real)
+            if a >= b:
+                continue
+            obj = headers[f.path]
+            t = _model_dict(obj)[fp.key]
+            base = storage_byte_offset(t) if f.format == "zip" else None
+            itemsize = t.element_size()
+            extents.append(Extent(f.path, _model_key(obj, fp.key), a - start, b - a,
+                                  None if base is None else base + (a - start) * itemsize))
+        out[name] = StoredTensor(name, part, fp.dtype, shape, tuple(extents))
+        offset = hi
+    return out
+
+
+def _cfg_warnings(layout_files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, n_parts: int,
+                  n_shards: int, flat: bool, name: FileName) -> list:
+    out = []
+    sharded = flat or n_shards > 1
+
+    def warn(field_name: str, value: Any, files_say: Any) -> None:
+        out.append(f"cfg {field_name}={value} but the files hold {files_say}; using the files "
+                   "(a consolidated or resharded checkpoint keeps the cfg of the run it came from).")
+
+    if settings.model_parallel_size is not None and settings.model_parallel_size != n_parts:
+        warn("common.model_parallel_size", settings.model_parallel_size, f"{n_parts} model-parallel part(s)")
+    if settings.use_sharded_state is not None and settings.use_sharded_state != sharded:
+        warn("distributed_training.use_sharded_state", settings.use_sharded_state,
+             "FSDP-sharded parts" if sharded else "unsharded weights")
+    if settings.distributed_world_size is not None and sharded and settings.distributed_world_size != n_parts * n_shards:
+        warn("distributed_training.distributed_world_size", settings.distributed_world_size,
+             f"{n_parts} part(s) x {n_shards} shard(s) = {n_parts * n_shards} ranks")
+    k_parts = n_shards if name.shard_style == "_part" and name.shard is not None else 1
+    if settings.checkpoint_shard_count is not None and settings.checkpoint_shard_count != k_parts:
+        warn("checkpoint.checkpoint_shard_count", settings.checkpoint_shard_count, f"{k_parts} _part file(s)")
+    return out
+
+
+def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> CheckpointLayout:
+    """(any rank, local) Describe the checkpoint set that ``path`` belongs to.
+
+    ``path`` may be a folder, any file of the set (any part, any shard, a
+    ``checkpoint_last-*`` link or text pointer), the un-suffixed name metaseq scripts take
+    (``.../checkpoint_last.pt``, ``.../reshard.pt``), or a glob. Reads file names and
+    pickled headers only, never tensor data, and modifies nothing on disk.
+
+    Raises:
+        CheckpointLayoutError: with the file(s), what was found, what was expected and what
+            to do, for a missing shard or part, a truncated or non-checkpoint file, an empty
+            or ambiguous folder, mixed checkpoints, inconsistent padding, a symlink loop.
+        UnsafeCheckpointError: a header needs a class outside the allowlist.
+    """
+    fs = _resolve_set(os.fspath(path))
+    name, grid = _check_grid(fs)
+    if trust_pickle:
+        headers = dict(zip(
+            [p for row in grid for p in row],
+            [read_header(p, trust_pickle=True) for row in grid for p in row],
+        ))
+    else:
+        headers = _read_headers([p for row in grid for p in row])
+    for p, h in headers.items():
+        if _model_dict(h) is None:
+            keys = list(h.keys())[:8] if isinstance(h, Mapping) else type(h).__name__
+            raise CheckpointLayoutError(
+                f"{p}: not a model checkpoint: its top level is {keys}; expected a metaseq/fairseq "
+                "checkpoint (a dict with a 'model' state dict) or a plain state dict of tensors."
+            )
+
+    files = tuple(
+        tuple(CheckpointFile(p, m, d, os.path.getsize(p), _file_kind(p)) for d, p in enumerate(row))
+        for m, row in enumerate(grid)
+    )
+    # Mixed saves: every file of one save carries the same update count and position.
+    run_ids = {f.path: _run_id(headers[f.path]) for row in files for f in row}
+    if len({r for r in run_ids.values()}) > 1:
+        groups: dict = {}
+        for p, r in run_ids.items():
+            groups.setdefault(r, []).append(os.path.basename(p))
+        desc = "; ".join(f"num_updates={r[0]}, epoch={r[1]}, iterations_in_epoch={r[2]}: {', '.join(v)}"
+                         for r, v in groups.items())
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, fs.prefix)}: files of different saves are mixed in one set ({desc}). "
+            "Keep only the files written by one save."
+        )
+
+    metadata_keys = {(_flat_metadata(headers[f.path])[0]) for row in files for f in row}
+    if len(metadata_keys) > 1:
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, fs.prefix)}: some files carry FSDP shard metadata and some do not: "
+            "flat shards and unflattened files are mixed. Keep only the files written by one save."
+        )
+    metadata_key = metadata_keys.pop()
+    parts = tuple(_build_part(m, row, headers, metadata_key) for m, row in enumerate(files))
+    names0 = list(parts[0].tensors)
+    for p in parts[1:]:
+        if list(p.tensors) != names0 and set(p.tensors) != set(names0):
+            diff = sorted(set(p.tensors) ^ set(names0))[:5]
+            raise CheckpointLayoutError(
+                f"{files[p.index][0].path}: model part {p.index} holds other tensors than part 0 "
+                f"(e.g. {diff}): parts of different models are mixed. Keep only one save's parts."
+            )
+
+    settings = _settings(headers[files[0][0].path])
+    if name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files):
+        missing = [name.format(part=m, shard=0 if name.shard is not None else None)
+                   for m in range(len(files), settings.model_parallel_size)]
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, fs.prefix)}: found model parts 0..{len(files) - 1} but cfg "
+            f"common.model_parallel_size={settings.model_parallel_size} (missing {', '.join(missing)}). "
+            "Copy the missing part(s) next to the others."
+        )
+    warnings = _cfg_warnings(files, settings, len(files), len(files[0]), bool(parts[0].flat_params), name)
+    updates = run_ids[files[0][0].path][0] if run_ids else None
+    first = headers[files[0][0].path]
+    cfg = first.get("cfg") if isinstance(first.get("cfg"), Mapping) else None
+    if (cfg is not None and "reshard" in cfg) or any(".qkv_proj." in n for n in names0):
+        flavor = "metaseq"
+    elif first.get("cfg") is not None or first.get("args") is not None:
+        flavor = "fairseq"
+    else:
+        flavor = "pytorch"
+    return CheckpointLayout(
+        directory=fs.directory,
+        prefix=fs.prefix,
+        name=name,
+        files=files,
+        parts=parts,
+        cfg=settings,
+        metadata_key=metadata_key,
+        aliases=fs.aliases,
+        num_updates=updates,
+        flavor=flavor,
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,884 @@
+"""The verbs: :func:`load_state_dict`, :func:`load_checkpoint` and :func:`load_into`.
+
+One engine serves them all. Each rank states what it wants as a list of :class:`Want`
+(a target tensor, an element range of it, and the memory to fill); the engine agrees on
+the layout with the other ranks, picks a strategy, and fills the wants:
+
+``own_shard``
+    The saved layout matches the world (same model-parallel size, one saved shard per
+    data-parallel rank, same flattening): each rank reads only its own file.
+    Peak extra CPU memory per rank = its output, ``B / (M' * W)`` for ``flat=True``
+    (``B`` model bytes, ``M'`` target model-parallel size, ``W`` data-parallel size).
+``reshard``
+    Any saved shard count D onto any W, any saved model-parallel size onto any M': each
+    rank reads exactly the byte ranges its wants cover, from whichever files hold them,
+    with ``os.preadv`` straight into the destination (padding handled exactly).
+    Peak extra = output + at most one staging chunk (``chunk_mb``, only for dtype/device
+    conversion or a row-parallel weight whose model-parallel split changes).
+``broadcast``
+    For ranks that cannot see the files, or on request: data-parallel rank 0 of each
+    model-parallel part reads (byte ranges, as above) and broadcasts buckets of at most
+    ``bucket_mb``; receivers copy what they need out of each bucket (or, for ``flat=False``,
+    receive straight into their output tensors).
+    Peak extra = output + one bucket, on the reader and on every receiver.
+
+With no process group at all everything runs locally in one process (no collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._dist import Group, settle
+from ._errors import CheckpointLayoutError, OneloadError, StateDictMismatchError
+from ._layout import CheckpointLayout, StoredTensor, discover
+from ._plan import (BlockCopy, FlatCopy, FlatStructure, TargetTensor, describe_source, flat_shard_range,
+                    plan_part)
+from ._reading import RangeReader
+
+__all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
+
+logger = logging.getLogger("metaseq_oneload")
+
+STRATEGIES = ("auto", "own_shard", "reshard", "broadcast")
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Want:
+    """This rank needs elements ``start .. start + out.numel()`` of target ``name``
+    (flattened) written into 1-D ``out``."""
+
+    name: str
+    start: int
+    out: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.out.numel()
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did, for logs, the demo table and tests."""
+
+    path: str
+    kind: str
+    saved_model_parallel: int
+    saved_shards: int
+    saved_flat: bool
+    target_model_parallel: int
+    target_world: int
+    flat: bool
+    strategy: str
+    reason: str
+    bytes_read: int
+    bytes_out: int
+    seconds: float
+    verified: bool = False
+    warnings: tuple = field(default=())
+
+    def line(self) -> str:
+        return (f"oneload: strategy={self.strategy} ({self.reason}); saved {self.saved_model_parallel}x"
+                f"{self.saved_shards} {'flat' if self.saved_flat else 'unflattened'} -> target "
+                f"{self.target_model_parallel}x{self.target_world} {'flat' if self.flat else 'unflattened'}")
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """The result of :func:`load_checkpoint`: this rank's model state dict and, for
+    ``flat=True``, the fairscale ``shard_metadata`` that describes it."""
+
+    model: "OrderedDict[str, torch.Tensor]"
+    shard_metadata: Optional[dict]
+    layout: Optional[CheckpointLayout]
+    report: LoadReport
+
+
+@dataclass(frozen=True)
+class _Options:
+    strategy: str = "auto"
+    bucket_mb: float = 256
+    chunk_mb: float = 64
+    verify: bool = False
+    trust_pickle: bool = False
+    qkv: str = "auto"
+    rules: Optional[Mapping] = None
+    dtype: Optional[torch.dtype] = None
+    progress: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}.")
+        if not self.bucket_mb > 0 or not self.chunk_mb > 0:
+            raise ValueError("bucket_mb and chunk_mb must be positive.")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(_ALIGN, int(self.bucket_mb * (1 << 20)) // _ALIGN * _ALIGN)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1 << 16, int(self.chunk_mb * (1 << 20)))
+
+
+# --------------------------------------------------------------------------- filling
+
+
+def _read_stored(src: StoredTensor, start: int, out: torch.Tensor, reader) -> None:
+    """Elements ``start..`` of a stored tensor (flattened) into 1-D ``out``."""
+    n = out.numel()
+    pos = 0
+    for ext in src.extents:
+        lo, hi = max(start, pos), min(start + n, pos + ext.numel)
+        if lo < hi:
+            reader.read_extent(ext, lo - pos, out[lo - start: hi - start], src.dtype)
+        pos += ext.numel
+        if pos >= start + n:
+            break
+
+
+def _fill(target: TargetTensor, out: torch.Tensor, start: int, reader) -> None:
+    """(local) Elements ``start..start+len(out)`` of ``target`` into 1-D ``out``."""
+    stop = start + out.numel()
+    with torch.no_grad():
+        for c in target.copies:
+            if isinstance(c, FlatCopy):
+                lo, hi = max(start, c.dst_start), min(stop, c.dst_start + c.length)
+                if lo < hi:
+                    _read_stored(c.src, c.src_start + lo - c.dst_start, out[lo - start: hi - start], reader)
+                continue
+            _fill_block(c, out, start, stop, reader)
+
+
+def _fill_block(c: BlockCopy, out: torch.Tensor, start: int, stop: int, reader) -> None:
+    dc, sc = c.dst_cols, c.src_cols
+    first, last = start // dc, min(c.rows, -(-stop // dc))
+    itemsize = torch.empty((), dtype=c.src.dtype).element_size()
+    step = max(1, reader.chunk_bytes // max(1, sc * itemsize))
+    for r0 in range(first, last, step):
+        r1 = min(last, r0 + step)
+        rows = torch.empty((r1 - r0) * sc, dtype=c.src.dtype)
+        _read_stored(c.src, r0 * sc, rows, reader)
+        block = rows.view(r1 - r0, sc)[:, c.src_col0: c.src_col0 + c.ncols]
+        if start <= r0 * dc and r1 * dc <= stop:
+            out[r0 * dc - start: r1 * dc - start].view(r1 - r0, dc)[:, c.dst_col0: c.dst_col0 + c.ncols].copy_(block)
+            continue
+        for r in range(r0, r1):
+            p0 = r * dc + c.dst_col0
+            lo, hi = max(start, p0), min(stop, p0 + c.ncols)
+            if lo < hi:
+                out[lo - start: hi - start].copy_(block[r - r0, lo - p0: hi - p0])
+
+
+class _MmapReader:
+    """Reads the same elements through ``torch.load(mmap=True)``: the independent path
+    ``verify=True`` checks the byte arithmetic against."""
+
+    def __init__(self, inner: RangeReader):
+        self.inner = inner
+        self.chunk_bytes = inner.chunk_bytes
+
+    def read_extent(self, ext, start, out, dtype):
+        out.copy_(self.inner.read_from_mmap(ext, start, out.numel()))
+
+
+def _fingerprint(target: TargetTensor, start: int, stop: int, reader, chunk_bytes: int) -> float:
+    """float64 sum of ``target`` elements ``start..stop`` read through ``reader``."""
+    itemsize = torch.empty((), dtype=target.dtype).element_size()
+    step = max(1, chunk_bytes // itemsize)
+    total = 0.0
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        tmp = torch.empty(hi - lo, dtype=target.dtype)
+        _fill(target, tmp, lo, reader)
+        total += float(tmp.double().sum())
+    return total
+
+
+def _close(a: float, b: float, n: int) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9 * max(1, n))
+
+
+# --------------------------------------------------------------------------- strategy
+
+
+def _own_shard_fits(layout: CheckpointLayout, mp_size: int, world: int, flat: bool) -> tuple:
+    """(fits, why) for the own-shard strategy."""
+    if layout.model_parallel_size != mp_size:
+        return False, f"saved model-parallel size {layout.model_parallel_size} != target {mp_size}"
+    if layout.shards_per_part != world:
+        return False, f"saved {layout.shards_per_part} shard(s) per part != {world} data-parallel rank(s)"
+    if flat != layout.flat and layout.shards_per_part > 1:
+        return False, "the target is unflattened but the saved shards are flat" if not flat else "saved shards are not flat"
+    if flat:
+        for part in layout.parts:
+            for fp in part.flat_params:
+                for d, real in enumerate(fp.real_numels):
+                    lo, hi, size = flat_shard_range(fp.total_numel, d, world)
+                    if real != hi - lo or fp.shard_numels[d] != size:
+                        return False, f"{fp.key}: saved shard boundaries differ from fairscale's for {world} ranks"
+    return True, "the saved layout matches the world: each rank reads its own file"
+
+
+def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLayout], mp_size: int,
+            world: int, flat: bool, dp: Group) -> tuple:
+    """(strategy, reason). Every rank of a data-parallel group computes the same answer
+    from the same gathered ``infos``; raises (locally, on every rank alike) if impossible."""
+    blind = [i for i, info in enumerate(infos) if not info["ok"]]
+    if not infos[0]["ok"]:
+        raise CheckpointLayoutError(
+            f"data-parallel rank 0 (rank {infos[0]['rank']}), the reader of this model part, cannot read "
+            f"the checkpoint: {infos[0]['err']}"
+        )
+    fps = {info["fp"] for info in infos if info["ok"]}
+    if len(fps) > 1:
+        odd = [f"rank {info['rank']}: {info['desc']}" for info in infos if info["ok"]]
+        raise CheckpointLayoutError(
+            "the ranks see different checkpoint files (" + "; ".join(odd) + "). Every rank must see the "
+            "same files (or none, with strategy='broadcast'); sync the folder or fix the path."
+        )
+    if blind:
+        who = ", ".join(f"rank {infos[i]['rank']}" for i in blind)
+        if opts.strategy in ("auto", "broadcast"):
+            return "broadcast", f"{who} cannot see the files; data-parallel rank 0 reads and broadcasts"
+        raise CheckpointLayoutError(
+            f"strategy={opts.strategy!r} needs every rank to read the files, but {who} cannot "
+            f"({infos[blind[0]]['err']}). Use strategy='broadcast' (or 'auto') to read once and broadcast."
+        )
+    if opts.strategy == "broadcast":
+        return "broadcast", "requested: data-parallel rank 0 reads and broadcasts in buckets"
+    fits, why = _own_shard_fits(layout, mp_size, world, flat)
+    if opts.strategy == "own_shard" and not fits:
+        raise CheckpointLayoutError(
+            f"strategy='own_shard' needs the saved layout to match the world, but {why}. "
+            "Use strategy='reshard' (or 'auto') to read byte ranges from any layout."
+        )
+    if fits and opts.strategy in ("auto", "own_shard"):
+        return "own_shard", why
+    mp_note = (f", model-parallel {layout.model_parallel_size}->{mp_size}"
+               if layout.model_parallel_size != mp_size else "")
+    return "reshard", (f"{'requested' if opts.strategy == 'reshard' else why}; each rank reads only its "
+                       f"byte ranges{mp_note}")
+
+
+# --------------------------------------------------------------------------- broadcast
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    start: int
+    length: int
+    offset: int  # bytes into the bucket
+
+
+def _schedule(targets: Mapping[str, TargetTensor], bucket_bytes: int, direct: bool) -> list:
+    """Buckets of entries, identical on every rank of a data-parallel group. A bucket with
+    ``direct`` set holds one chunk broadcast straight into the receivers' outputs."""
+    buckets, current, used = [], [], 0
+    for t in targets.values():
+        if t.alias_of is not None:
+            continue
+        itemsize = torch.empty((), dtype=t.dtype).element_size()
+        per = max(1, bucket_bytes // itemsize)
+        if direct and t.nbytes >= bucket_bytes // 4:
+            for lo in range(0, t.numel, per):
+                buckets.append((True, [_Entry(t.name, lo, min(per, t.numel - lo), 0)]))
+            continue
+        for lo in range(0, t.numel, per):
+            n = min(per, t.numel - lo)
+            size = -(-(n * itemsize) // _ALIGN) * _ALIGN
+            if used + size > bucket_bytes and current:
+                buckets.append((False, current))
+                current, used = [], 0
+            current.append(_Entry(t.name, lo, n, used))
+            used += size
+    if current:
+        buckets.append((False, current))
+    return buckets
+
+
+def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
+                    reader: Optional[RangeReader], opts: _Options, direct: bool, progress) -> tuple:
+    """(collective over ``dp``) Rank 0 reads and broadcasts; everyone copies what it
+    wants. Returns (this rank's error or None, per-target received sums for verify)."""
+    by_name: dict = {}
+    for w in wants:
+        by_name.setdefault(w.name, []).append(w)
+    error: Optional[BaseException] = None
+    sums: dict = {}
+    bucket = None
+    status = torch.zeros(1, dtype=torch.int64, device=dp.device)
+    for is_direct, entries in _schedule(targets, opts.bucket_bytes, direct):
+        if is_direct:
+            e = entries[0]
+            w = by_name[e.name][0]
+            view = w.out[e.start: e.start + e.length]
+            if dp.rank == 0:
+                try:
+                    _fill(targets[e.name], view, e.start, reader)
+                    status.fill_(0)
+                except Exception as exc:  # announce it, so receivers do not wait forever
+                    error, _ = exc, status.fill_(1)
+            dp.broadcast(status)
+            if int(status.item()):
+                break
+            dp.broadcast(view)
+            if opts.verify:
+                sums[e.name] = sums.get(e.name, 0.0) + float(view.double().sum())
+            if progress:
+                progress(e.length * view.element_size())
+            continue
+        if bucket is None:
+            bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
+        views = []
+        for e in entries:
+            t = targets[e.name]
+            nbytes = e.length * torch.empty((), dtype=t.dtype).element_size()
+            views.append(bucket[e.offset: e.offset + nbytes].view(t.dtype))
+        if dp.rank == 0:
+            try:
+                for e, v in zip(entries, views):
+                    _fill(targets[e.name], v, e.start, reader)
+                status.fill_(0)
+            except Exception as exc:
+                error, _ = exc, status.fill_(1)
+        dp.broadcast(status)
+        if int(status.item()):
+            break
+        used = entries[-1].offset + views[-1].numel() * views[-1].element_size()
+        dp.broadcast(bucket[:used])
+        if error is not None:
+            continue  # this receiver already failed; keep the stream in step, copy nothing
+        try:
+            for e, v in zip(entries, views):
+                if opts.verify:
+                    sums[e.name] = sums.get(e.name, 0.0) + float(v.double().sum())
+                for w in by_name.get(e.name, ()):
+                    lo, hi = max(w.start, e.start), min(w.stop, e.start + e.length)
+                    if lo < hi:
+                        w.out[lo - w.start: hi - w.start].copy_(v[lo - e.start: hi - e.start])
+                if progress:
+                    progress(v.numel() * v.element_size())
+        except Exception as exc:
+            error = exc
+    return error, sums
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _spec(targets: Mapping[str, TargetTensor], structure: Optional[FlatStructure]) -> bytes:
+    """What receivers without files need to know about the targets (no paths)."""
+    return json.dumps({
+        "targets": [[t.name, list(t.shape), str(t.dtype).replace("torch.", ""), t.alias_of] for t in targets.values()],
+        "structure": None if structure is None else {
+            "groups": [[g.fsdp_path, g.flat_name, list(g.names), [list(s) for s in g.shapes],
+                        [list(p) for p in g.shared]] for g in structure.groups],
+            "buffers": list(structure.buffer_names),
+        },
+    }).encode()
+
+
+def _unspec(payload: bytes) -> tuple:
+    from ._plan import FlatGroup
+
+    obj = json.loads(payload)
+    targets = OrderedDict(
+        (n, TargetTensor(n, tuple(shape), getattr(torch, dtype), (), alias))
+        for n, shape, dtype, alias in obj["targets"]
+    )
+    structure = None
+    if obj["structure"] is not None:
+        structure = FlatStructure(
+            tuple(FlatGroup(p, f, tuple(names), tuple(tuple(s) for s in shapes), tuple(tuple(x) for x in shared))
+                  for p, f, names, shapes, shared in obj["structure"]["groups"]),
+            tuple(obj["structure"]["buffers"]),
+        )
+    return targets, structure
+
+
+def _progress_bar(enabled: Optional[bool], total: int, rank: int):
+    if enabled is None:
+        enabled = rank == 0 and sys.stderr.isatty() and total >= (256 << 20)
+    if not enabled:
+        return None, contextlib.nullcontext()
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="oneload", leave=False)
+    return bar.update, bar
+
+
+def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_from: Optional[Mapping],
+            make_wants: Callable, what: str) -> tuple:
+    """(collective over both groups) Discover, agree, plan, read. Returns
+    (layout or None, targets, structure, report)."""
+    t0 = time.perf_counter()
+    groups = (dp, mp)
+    # 1. Discover, then agree on what everyone sees.
+    layout, err = None, None
+    try:
+        layout = discover(path, trust_pickle=opts.trust_pickle)
+    except Exception as e:  # reported collectively below
+        err = e
+    if not dp.active and not mp.active and err is not None:
+        raise err
+    info = {
+        "rank": dp.global_rank,
+        "ok": layout is not None,
+        "fp": layout.fingerprint() if layout is not None else None,
+        "err": None if err is None else f"{type(err).__name__}: {err}",
+        "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
+    }
+    dp_infos = dp.all_gather_json(info) if dp.active else [info]
+    mp_infos = mp.all_gather_json(info) if mp.active else [info]
+    strategy, reason, error = None, "", None
+    try:
+        if err is not None and isinstance(err, (OneloadError, OSError)) and all(not i["ok"] for i in dp_infos):
+            raise err
+        strategy, reason = _choose(opts, dp_infos, layout, mp.size, dp.size, flat, dp)
+        readers = {i["fp"] for i in mp_infos if i["ok"]}
+        if len(readers) > 1:
+            raise CheckpointLayoutError(
+                "ranks of different model-parallel parts see different checkpoint files ("
+                + "; ".join(f"rank {i['rank']}: {i['desc']}" for i in mp_infos if i["ok"]) + ")."
+            )
+    except Exception as e:
+        error = e
+    settle(groups, error, f"loading {path}: agreeing on the checkpoint")
+
+    # 2. Plan: the reader of each data-parallel group plans; with broadcast it tells the others.
+    targets, structure, wants, error = None, None, None, None
+    try:
+        if layout is not None and (strategy != "broadcast" or dp.rank == 0):
+            targets = plan_part(layout, mp.size, mp.rank, qkv=opts.qkv, rules=opts.rules, dtype=opts.dtype)
+            if flat:
+                structure = (FlatStructure.from_metadata(structure_from) if structure_from is not None
+                             else FlatStructure.from_layout(layout, targets))
+                structure.check_against(targets)
+    except Exception as e:
+        error = e
+    settle(groups, error, f"loading {path}: planning")
+    if strategy == "broadcast":
+        payload = dp.broadcast_bytes(_spec(targets, structure) if dp.rank == 0 else None)
+        if dp.rank != 0:
+            targets, structure = _unspec(payload)
+    error = None
+    try:
+        wants = make_wants(targets, structure, layout)
+    except Exception as e:
+        error = e
+    settle(groups, error, f"loading {path}: matching the target")
+
+    # 3. Read.
+    if layout is not None:
+        reader = RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle)
+    else:
+        reader = None
+    total = sum(w.out.numel() * w.out.element_size() for w in wants)
+    progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
+    sums: dict = {}
+    error = None
+    if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
+        logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
+    with bar:
+        if strategy == "broadcast":
+            direct_ok = all(_direct_capable(w, targets, dp) for w in wants) and len(wants) == sum(
+                1 for t in targets.values() if t.alias_of is None)
+            direct = all(dp.all_gather_json(direct_ok)) if dp.active else direct_ok
+            error, sums = _broadcast_loop(dp, targets, wants, reader, opts, direct, progress)
+        else:
+            try:
+                for w in wants:
+                    _fill(targets[w.name], w.out, w.start, reader)
+                    if progress:
+                        progress(w.out.numel() * w.out.element_size())
+            except Exception as e:
+                error = e
+    settle(groups, error, f"loading {path}: reading")
+
+    # 4. Verify against torch's own reading of the same files.
+    verified = False
+    if opts.verify:
+        error = None
+        try:
+            if strategy == "broadcast":
+                expected = {}
+                if dp.rank == 0:
+                    mm = _MmapReader(reader)
+                    expected = {n: _fingerprint(t, 0, t.numel, mm, opts.chunk_bytes)
+                                for n, t in targets.items() if t.alias_of is None}
+                expected = json.loads(dp.broadcast_bytes(json.dumps(expected).encode() if dp.rank == 0 else None))
+                for n, got in sums.items():
+                    if not _close(got, expected[n], targets[n].numel):
+                        raise OneloadError(f"verify: {n}: received sum {got!r} != source sum {expected[n]!r}")
+            else:
+                mm = _MmapReader(reader)
+                for w in wants:
+                    got = float(w.out.double().sum())
+                    exp = _fingerprint(targets[w.name], w.start, w.stop, mm, opts.chunk_bytes)
+                    if not _close(got, exp, w.out.numel()):
+                        raise OneloadError(
+                            f"verify: {w.name}[{w.start}:{w.stop}]: loaded sum {got!r} != source sum {exp!r}")
+            verified = True
+        except Exception as e:
+            error = e
+        settle(groups, error, f"loading {path}: verifying")
+    if reader is not None:
+        reader.close()
+    summary = layout if layout is not None else None
+    report = LoadReport(
+        path=str(path),
+        kind=summary.kind if summary else "unknown",
+        saved_model_parallel=summary.model_parallel_size if summary else 0,
+        saved_shards=summary.shards_per_part if summary else 0,
+        saved_flat=summary.flat if summary else False,
+        target_model_parallel=mp.size,
+        target_world=dp.size,
+        flat=flat,
+        strategy=strategy,
+        reason=reason,
+        bytes_read=reader.bytes_read if reader is not None else 0,
+        bytes_out=total,
+        seconds=time.perf_counter() - t0,
+        verified=verified,
+        warnings=summary.warnings if summary else (),
+    )
+    return layout, targets, structure, report
+
+
+def _direct_capable(w: Want, targets: Mapping[str, TargetTensor], dp: Group) -> bool:
+    t = targets[w.name]
+    return (w.start == 0 and w.out.numel() == t.numel and w.out.dtype == t.dtype
+            and w.out.is_contiguous() and w.out.device == dp.device)
+
+
+# --------------------------------------------------------------------------- verbs
+
+
+def _groups(process_group, model_parallel_group) -> tuple:
+    return Group(process_group), Group(model_parallel_group)
+
+
+def load_checkpoint(
+    path: "str | os.PathLike",
+    *,
+    process_group: Optional["dist.ProcessGroup"] = None,
+    model_parallel_group: Optional["dist.ProcessGroup"] = None,
+    flat: bool = False,
+    strategy: str = "auto",
+    shard_metadata: Optional[Mapping] = None,
+    bucket_mb: float = 256,
+    chunk_mb: float = 64,
+    verify: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    device: "str | torch.device" = "cpu",
+    qkv: str = "auto",
+    rules: Optional[Mapping[str, str]] = None,
+    trust_pickle: bool = False,
+    progress: Optional[bool] = None,
+) -> LoadedCheckpoint:
+    """(collective over the groups given) Like :func:`load_state_dict`, returning the
+    state dict with its ``shard_metadata``, the layout and a :class:`LoadReport`."""
+    opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
+                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress)
+    dp, mp = _groups(process_group, model_parallel_group)
+    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    meta: dict = {}
+
+    def make_wants(targets, structure, layout):
+        wants = []
+        if not flat:
+            for name, t in targets.items():
+                if t.alias_of is None:
+                    out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    wants.append(Want(name, 0, out[name].view(-1)))
+            for name, t in targets.items():
+                if t.alias_of is not None:
+                    out[name] = out[t.alias_of]  # tied: one tensor under both names
+            return wants
+        covered = set()
+        for g in structure.groups:
+            dtypes = {targets[n].dtype for n in g.names}
+            if len(dtypes) > 1:
+                raise StateDictMismatchError(f"{g.key}: members have mixed dtypes {sorted(map(str, dtypes))}.")
+            lo, hi, size = flat_shard_range(g.total_numel, dp.rank, dp.size)
+            local = torch.empty(size, dtype=dtypes.pop() if dtypes else torch.float32, device=device)
+            local[hi - lo:].zero_()  # fairscale pads the tail with zeros
+            out[g.key] = local
+            offset = 0
+            for n, numel in zip(g.names, g.numels):
+                a, b = max(lo, offset), min(hi, offset + numel)
+                if a < b:
+                    wants.append(Want(n, a - offset, local[a - lo: b - lo]))
+                covered.add(n)
+                offset += numel
+        for name, t in targets.items():
+            if name in covered or t.alias_of is not None:
+                continue
+            out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+            wants.append(Want(name, 0, out[name].view(-1)))
+        meta.update(structure.shard_metadata(dp.rank, dp.size))
+        return wants
+
+    layout, _, _, report = _engine(path, dp, mp, opts, flat, shard_metadata, make_wants, "load_state_dict")
+    if flat:
+        out.shard_metadata = meta  # like torch's state_dict._metadata: travels with the dict
+    return LoadedCheckpoint(out, meta if flat else None, layout, report)
+
+
+def load_state_dict(
+    path: "str | os.PathLike",
+    *,
+    process_group: Optional["dist.ProcessGroup"] = None,
+    model_parallel_group: Optional["dist.ProcessGroup"] = None,
+    flat: bool = False,
+    strategy: str = "auto",
+    shard_metadata: Optional[Mapping] = None,
+    bucket_mb: float = 256,
+    chunk_mb: float = 64,
+    verify: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    device: "str | torch.device" = "cpu",
+    qkv: str = "auto",
+    rules: Optional[Mapping[str, str]] = None,
+    trust_pickle: bool = False,
+    progress: Optional[bool] = None,
+) -> "OrderedDict[str, torch.Tensor]":
+    """(collective over the groups given) This rank's part of any checkpoint's weights.
+
+    Args:
+        path: any file of the checkpoint, its folder, its un-suffixed name, or a glob.
+        process_group: the data-parallel group (size W). None: no collectives; with no
+            group at all the load runs locally in one process.
+        model_parallel_group: the model-parallel group (size M'). None: M' = 1, every rank
+            gets the whole model with all saved model-parallel parts merged.
+        flat: False: the unflattened tensors of this rank's model-parallel part (identical on
+            every data-parallel rank), with metaseq's names (fused ``qkv_proj``, rows k, v, q
+            per part; the tied ``output_projection`` shares ``embed_tokens``' tensor).
+            True: this rank's fairscale FSDP local shard for W ranks (``flat_param_*`` keys and
+            buffers), with the matching metadata in the result's ``shard_metadata`` attribute;
+            what ``FullyShardedDataParallel.load_local_state_dict`` expects.
+        strategy: "auto" (chooses and logs why), "own_shard", "reshard" or "broadcast"; see
+            the module docstring for each one's peak memory.
+        shard_metadata: for ``flat=True`` from an unflattened checkpoint: the target
+            wrapping, i.e. fairscale's ``model.local_metadata_dict()``.
+        bucket_mb: broadcast bucket size (peak extra memory of every rank when broadcasting).
+        chunk_mb: staging size for dtype/device conversion and model-parallel column blocks.
+        verify: also compare per-tensor sums of what was loaded with torch's own
+            (memory-mapped) reading of the source; costs one more read.
+        dtype: cast to this dtype (default: as stored).
+        device: where the returned tensors live.
+        qkv: "auto" (fuse split k/v/q for metaseq checkpoints), "fused", "split" or "keep".
+        rules: extra model-parallel split rules, name suffix -> "column"|"row"|"replicated"|"qkv".
+        trust_pickle: unpickle without the allowlist. Unsafe: runs code from the file.
+        progress: show a progress bar (default: on a terminal, rank 0, loads >= 256 MiB).
+
+    Returns:
+        An ``OrderedDict`` of tensors (with ``.shard_metadata`` when ``flat=True``).
+
+    Raises:
+        CheckpointLayoutError: bad files (single process), see :func:`inspect`.
+        DistributedLoadError: on every rank, when any rank failed.
+        StateDictMismatchError: the requested target does not fit the checkpoint.
+
+    Example::
+
+        sd = load_state_dict("/ckpt/checkpoint_last.pt", process_group=dp, flat=True)
+        fsdp_model.load_local_state_dict(sd)
+    """
+    return load_checkpoint(path, process_group=process_group, model_parallel_group=model_parallel_group,
+                           flat=flat, strategy=strategy, shard_metadata=shard_metadata, bucket_mb=bucket_mb,
+                           chunk_mb=chunk_mb, verify=verify, dtype=dtype, device=device, qkv=qkv, rules=rules,
+                           trust_pickle=trust_pickle, progress=progress).model
+
+
+# --------------------------------------------------------------------------- load_into
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple:
+    *path, leaf = name.split(".")
+    m = module
+    for p in path:
+        m = getattr(m, p)
+    return m, leaf
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4
+        from torch.distributed._tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _dtensor_want(name: str, t, post: list) -> Want:
+    """The element range of the global tensor this rank's DTensor shard holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    shape = tuple(t.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    rows_only = all(o == 0 for o in offset[1:]) and tuple(local_shape[1:]) == shape[1:]
+    if rows_only:
+        start = (offset[0] if shape else 0) * inner
+        if local.is_contiguous():
+            return Want(name, start, local.view(-1))
+        tmp = torch.empty(local.numel(), dtype=local.dtype)
+        post.append(lambda: local.copy_(tmp.view(local.shape)))
+        return Want(name, start, tmp)
+    # A box that is not a run of whole rows (e.g. tensor-parallel Shard(1)): read the rows
+    # it spans, then cut the box out. Costs those rows in staging memory.
+    r0, r1 = offset[0], offset[0] + local_shape[0]
+    tmp = torch.empty((r1 - r0) * inner, dtype=local.dtype)
+
+    def cut():
+        box = tmp.view((r1 - r0,) + shape[1:])
+        for d in range(1, len(shape)):
+            box = box.narrow(d, offset[d], local_shape[d])
+        local.copy_(box)
+
+    post.append(cut)
+    return Want(name, r0 * inner, tmp)
+
+
+def load_into(
+    module: torch.nn.Module,
+    path: "str | os.PathLike",
+    *,
+    process_group: Optional["dist.ProcessGroup"] = None,
+    model_parallel_group: Optional["dist.ProcessGroup"] = None,
+    strategy: str = "auto",
+    strict: bool = True,
+    device: "str | torch.device | None" = None,
+    bucket_mb: float = 256,
+    chunk_mb: float = 64,
+    verify: bool = False,
+    qkv: Optional[str] = None,
+    rules: Optional[Mapping[str, str]] = None,
+    trust_pickle: bool = False,
+    progress: Optional[bool] = None,
+) -> LoadReport:
+    """(collective over the groups given) Fill ``module``'s parameters and buffers in place.
+
+    Works on a plain module, on a module built on the ``meta`` device (each tensor is
+    materialised on ``device`` -- default CPU -- as it is loaded, so no rank ever holds a
+    second copy), and on a module sharded with torch FSDP2 ``fully_shard`` (DTensor
+    parameters: each rank receives only its shard). With DTensor parameters and no
+    ``process_group``, the parameters' mesh group is used.
+
+    Keys and shapes are checked before anything is written: with ``strict`` a missing,
+    unexpected or wrongly shaped tensor raises :class:`StateDictMismatchError` naming the
+    first few; without it, only wrongly shaped ones do and the rest is skipped.
+
+    Returns:
+        The :class:`LoadReport` (strategy, bytes read, time).
+    """
+    entries = module.state_dict(keep_vars=True)
+    has_dtensor = any(_is_dtensor(t) for t in entries.values())
+    if process_group is None and has_dtensor:
+        mesh = next(t.device_mesh for t in entries.values() if _is_dtensor(t))
+        process_group = mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
+    if qkv is None:
+        keys = list(entries)
+        if any(k.endswith("self_attn.qkv_proj.weight") for k in keys):
+            qkv = "fused"
+        elif any(k.endswith("self_attn.k_proj.weight") for k in keys):
+            qkv = "split"
+        else:
+            qkv = "keep"
+    opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
+                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress)
+    dp, mp = _groups(process_group, model_parallel_group)
+    post: list = []
+    materialize_on = torch.device(device) if device is not None else torch.device("cpu")
+
+    def make_wants(targets, structure, layout):
+        first_name: dict = {}
+        for name, t in entries.items():
+            first_name.setdefault(id(t), name)
+        owned = [n for n, t in entries.items() if first_name[id(t)] == n]
+        tied = {n: first_name[id(t)] for n, t in entries.items() if first_name[id(t)] != n}
+        wanted = {n for n, t in targets.items() if t.alias_of is None}
+        missing = [n for n in owned if n not in targets]
+        unexpected = [n for n in wanted if n not in entries]
+        wrong = [f"{n}: checkpoint {tuple(targets[n].shape)} vs module {tuple(entries[n].shape)}"
+                 for n in owned if n in targets and tuple(targets[n].shape) != tuple(entries[n].shape)]
+        problems = []
+        if wrong:
+            problems.append("wrong shape: " + "; ".join(wrong[:5]) + (f" (+{len(wrong) - 5})" if len(wrong) > 5 else ""))
+        if strict and missing:
+            problems.append("missing from the checkpoint: " + ", ".join(missing[:5]) + (f" (+{len(missing) - 5})" if len(missing) > 5 else ""))
+        if strict and unexpected:
+            problems.append("not in the module: " + ", ".join(sorted(unexpected)[:5]) + (f" (+{len(unexpected) - 5})" if len(unexpected) > 5 else ""))
+        if problems:
+            raise StateDictMismatchError(
+                f"{type(module).__name__} does not match {path}: " + " | ".join(problems)
+                + ". Nothing was loaded. Check the model config against the checkpoint"
+                + (", or pass strict=False to load the matching tensors only." if not wrong else ".")
+            )
+        # Materialise meta tensors now that the keys are known to match.
+        if any(_is_dtensor(t) and t.device.type == "meta" for t in entries.values()):
+            module.to_empty(device=materialize_on)
+        fresh = module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for n in owned:
+                t = fresh[n]
+                if _is_dtensor(t) or t.device.type != "meta":
+                    continue
+                new = torch.empty(t.shape, dtype=t.dtype, device=materialize_on)
+                for alias in [n] + [a for a, src in tied.items() if src == n]:
+                    owner, leaf = _owner(module, alias)
+                    if isinstance(t, torch.nn.Parameter):
+                        owner._parameters[leaf] = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    else:
+                        owner._buffers[leaf] = new
+            fresh = module.state_dict(keep_vars=True)
+            # Re-tie: parameters built on meta and re-created above keep their sharing.
+            for a, src in tied.items():
+                owner, leaf = _owner(module, a)
+                if leaf in owner._parameters and isinstance(fresh[src], torch.nn.Parameter):
+                    owner._parameters[leaf] = fresh[src]
+            fresh = module.state_dict(keep_vars=True)
+        wants = []
+        for n in owned:
+            if n not in targets:
+                continue
+            t = fresh[n]
+            if _is_dtensor(t):
+                wants.append(_dtensor_want(n, t, post))
+                continue
+            data = t.data if isinstance(t, torch.nn.Parameter) else t
+            if data.is_contiguous():
+                wants.append(Want(n, 0, data.view(-1)))
+            else:
+                tmp = torch.empty(data.numel(), dtype=data.dtype, device=data.device)
+                post.append(lambda data=data, tmp=tmp: data.copy_(tmp.view(data.shape)))
+                wants.append(Want(n, 0, tmp))
+        return wants
+
+    _, _, _, report = _engine(path, dp, mp, opts, False, None, make_wants, "load_into")
+    with torch.no_grad():
+        for fn in post:
+            fn()
+    return report
+
+
+def report_dict(report: LoadReport) -> dict:
+    return asdict(report)

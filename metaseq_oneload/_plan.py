@@ -1,0 +1,512 @@
+"""What to read: saved pieces -> target pieces.
+
+Every saved tensor and every target tensor is *placed* in one canonical coordinate
+system, the unsplit (model-parallel size 1) model with metaseq's names: a fused
+``qkv_proj`` holds rows k, v, q of all heads. A placement says which rows (or columns) of
+the canonical tensor a stored or wanted tensor covers, so any saved model-parallel size maps
+onto any target size by intersecting ranges (Megatron's rules):
+
+=====================================  ==================  =================================
+tensor                                 split               note
+=====================================  ==================  =================================
+``self_attn.qkv_proj`` weight, bias    dim 0, per part     rows k_m, v_m, q_m of part m's heads
+``self_attn.{k,v,q}_proj`` (split)     dim 0               fused into ``qkv_proj`` on load
+``fc1`` weight, bias                   dim 0               column parallel
+``embed_tokens``, ``output_projection``  dim 0             vocab parallel
+``self_attn.out_proj.weight``, ``fc2.weight``  dim 1       row parallel
+layer norms, positions, row biases     replicated
+=====================================  ==================  =================================
+
+A target tensor becomes a list of copies (:class:`FlatCopy` for contiguous element runs,
+:class:`BlockCopy` for a column block of a row-parallel weight). Intersecting those with
+the element range a rank needs (its FSDP flat shard, its DTensor rows, or everything) gives
+exactly the bytes it reads, from whichever files hold them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from ._errors import CheckpointLayoutError, StateDictMismatchError
+from ._layout import CheckpointLayout, StoredTensor
+
+__all__ = [
+    "Placement",
+    "FlatCopy",
+    "BlockCopy",
+    "TargetTensor",
+    "FlatGroup",
+    "FlatStructure",
+    "place",
+    "plan_part",
+    "flat_shard_range",
+    "canonical_numels",
+]
+
+_QKV_FUSED = (".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")
+_QKV_SPLIT = {"k_proj": 0, "v_proj": 1, "q_proj": 2}
+_COLUMN = (".fc1.weight", ".fc1.bias", "embed_tokens.weight", "output_projection.weight")
+_ROW = (".self_attn.out_proj.weight", ".fc2.weight")
+_REPLICATED_HINTS = ("layer_norm.", "layernorm", "embed_positions.", ".out_proj.bias", ".fc2.bias",
+                     ".version", "_float_tensor", "alibi", "embed_scale")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor sits in the canonical (unsplit) tensor ``canonical``.
+
+    ``segments`` are ``(local_start, global_start, length)`` along ``dim``; ``dim`` None
+    means the tensor is the whole canonical tensor (replicated or not model parallel).
+    """
+
+    canonical: str
+    dim: Optional[int]
+    segments: tuple
+    global_shape: tuple
+
+
+def _split_qkv_name(name: str) -> Optional[tuple]:
+    parts = name.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in _QKV_SPLIT and parts[0].endswith("self_attn"):
+        return parts[0] + ".qkv_proj." + parts[2], _QKV_SPLIT[parts[1]]
+    return None
+
+
+def place(name: str, shape: Sequence[int], part: int, nparts: int,
+          rules: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
+    """The placement of part ``part`` of ``nparts`` of tensor ``name``, or None for a
+    tensor without a known model-parallel rule (it can only be loaded at the same size)."""
+    shape = tuple(int(s) for s in shape)
+    rule = None
+    for suffix, r in (rules or {}).items():
+        if name.endswith(suffix):
+            rule = r
+    if rule is None:
+        if name.endswith(_QKV_FUSED):
+            rule = "qkv"
+        elif _split_qkv_name(name):
+            rule = "qkv_split"
+        elif name.endswith(_COLUMN):
+            rule = "column"
+        elif name.endswith(_ROW):
+            rule = "row"
+        elif any(h in name for h in _REPLICATED_HINTS):
+            rule = "replicated"
+    if rule is None:
+        if nparts == 1:
+            return Placement(name, None, (), shape)
+        return None
+    if rule == "replicated":
+        return Placement(name, None, (), shape)
+    if rule == "qkv":
+        n = shape[0]
+        if n % 3:
+            raise CheckpointLayoutError(f"{name}: fused qkv_proj has {n} rows, not a multiple of 3 (k, v, q).")
+        per = n // 3
+        e = per * nparts
+        segs = tuple((j * per, j * e + part * per, per) for j in range(3))
+        return Placement(name, 0, segs, (3 * e,) + shape[1:])
+    if rule == "qkv_split":
+        canonical, j = _split_qkv_name(name)
+        n = shape[0]
+        e = n * nparts
+        return Placement(canonical, 0, ((0, j * e + part * n, n),), (3 * e,) + shape[1:])
+    if rule == "column":
+        n = shape[0]
+        return Placement(name, 0, ((0, part * n, n),), (n * nparts,) + shape[1:])
+    if rule == "row":
+        if len(shape) != 2:
+            raise CheckpointLayoutError(f"{name}: a row-parallel rule needs a 2-D weight, found shape {shape}.")
+        m = shape[1]
+        return Placement(name, 1, ((0, part * m, m),), (shape[0], m * nparts))
+    raise ValueError(f"unknown model-parallel rule {rule!r} for {name} (use qkv, column, row or replicated)")
+
+
+def _target_placement(canonical: str, global_shape: tuple, part: int, nparts: int, name: str,
+                      rules: Optional[Mapping[str, str]] = None) -> Placement:
+    """The placement of target part ``part`` of ``nparts`` of a canonical tensor."""
+    split = _split_qkv_name(name)
+    if split is not None:
+        e = global_shape[0] // 3
+        if e % nparts:
+            raise CheckpointLayoutError(
+                f"{name}: {e} rows per projection do not split over {nparts} model-parallel parts."
+            )
+        n = e // nparts
+        return Placement(canonical, 0, ((0, split[1] * e + part * n, n),), global_shape)
+    probe = place(name, _local_shape_guess(name, global_shape, nparts, rules), part, nparts, rules)
+    assert probe is not None
+    if probe.global_shape != tuple(global_shape):
+        raise CheckpointLayoutError(
+            f"{name}: global shape {tuple(global_shape)} does not split over {nparts} model-parallel "
+            f"parts (dim {probe.dim}). Choose a model-parallel size that divides it."
+        )
+    return probe
+
+
+def _local_shape_guess(name: str, global_shape: tuple, nparts: int, rules: Optional[Mapping[str, str]]) -> tuple:
+    p = place(name, global_shape, 0, 1, rules)
+    if p is None or p.dim is None:
+        return tuple(global_shape)
+    shape = list(global_shape)
+    shape[p.dim] = global_shape[p.dim] // nparts if global_shape[p.dim] % nparts == 0 else -1
+    if shape[p.dim] < 0:
+        raise CheckpointLayoutError(
+            f"{name}: dim {p.dim} of size {global_shape[p.dim]} does not split over {nparts} "
+            "model-parallel parts. Choose a model-parallel size that divides it."
+        )
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class FlatCopy:
+    """Elements ``src_start..+length`` of ``src`` (flattened) go to ``dst_start..``."""
+
+    src: StoredTensor
+    src_start: int
+    dst_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Columns ``src_col0..+ncols`` of every row of 2-D ``src`` go to columns
+    ``dst_col0..`` of the target (row-parallel weights when the model-parallel size changes)."""
+
+    src: StoredTensor
+    rows: int
+    src_cols: int
+    src_col0: int
+    dst_cols: int
+    dst_col0: int
+    ncols: int
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """One tensor a rank wants, and where its elements come from."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    copies: tuple
+    alias_of: Optional[str] = None  # a tied name that shares ``alias_of``'s tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def sources(self) -> tuple:
+        """The stored tensors this target reads from."""
+        return tuple({id(c.src): c.src for c in self.copies}.values())
+
+
+def _copies(target: Placement, local_shape: tuple, sources: Sequence) -> tuple:
+    """Intersect a target placement with the placements of the stored tensors."""
+    if target.dim is None:
+        src, sp = sources[0]
+        if tuple(src.shape) != tuple(local_shape):
+            raise CheckpointLayoutError(f"{src.name}: stored shape {src.shape} != wanted {local_shape}.")
+        return (FlatCopy(src, 0, 0, src.numel),)
+    out = []
+    covered = 0
+    d = target.dim
+    for src, sp in sources:
+        if sp.dim != d:
+            raise CheckpointLayoutError(f"{src.name}: stored split dim {sp.dim} != canonical dim {d}.")
+        # Identity: the stored tensor is exactly the wanted one.
+        if sp.segments == target.segments and tuple(src.shape) == tuple(local_shape):
+            return (FlatCopy(src, 0, 0, src.numel),)
+        for lt, gt, n in target.segments:
+            for ls, gs, m in sp.segments:
+                g0, g1 = max(gt, gs), min(gt + n, gs + m)
+                if g0 >= g1:
+                    continue
+                covered += g1 - g0
+                if d == 0:
+                    inner = math.prod(local_shape[1:])
+                    if inner != math.prod(src.shape[1:]):
+                        raise CheckpointLayoutError(
+                            f"{src.name}: stored shape {src.shape} does not match wanted {local_shape} "
+                            "beyond the split dimension."
+                        )
+                    out.append(FlatCopy(src, (ls + g0 - gs) * inner, (lt + g0 - gt) * inner, (g1 - g0) * inner))
+                else:
+                    if src.shape[0] != local_shape[0]:
+                        raise CheckpointLayoutError(f"{src.name}: stored rows {src.shape[0]} != wanted {local_shape[0]}.")
+                    out.append(BlockCopy(src, local_shape[0], src.shape[1], ls + g0 - gs,
+                                         local_shape[1], lt + g0 - gt, g1 - g0))
+    want = sum(n for _, _, n in target.segments)
+    if covered != want:
+        raise CheckpointLayoutError(
+            f"{target.canonical}: the checkpoint covers {covered} of the {want} wanted slices along "
+            f"dim {d}; a model part is missing or parts disagree."
+        )
+    return tuple(out)
+
+
+def _qkv_style(layout: CheckpointLayout, qkv: str) -> str:
+    if qkv not in ("auto", "fused", "split", "keep"):
+        raise ValueError(f"qkv={qkv!r}: expected 'auto', 'fused', 'split' or 'keep'.")
+    if qkv == "auto":
+        return "fused" if layout.flavor == "metaseq" else "keep"
+    return qkv
+
+
+def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]]) -> tuple:
+    """canonical name -> (global shape, [(stored tensor, placement)], stored names) and
+    the names without a rule, per part."""
+    table: dict = {}
+    unknown: dict = {}
+    m = layout.model_parallel_size
+    for part in layout.parts:
+        for t in part.tensors.values():
+            p = place(t.name, t.shape, part.index, m, rules)
+            if p is None:
+                unknown.setdefault(t.name, []).append(t)
+                continue
+            entry = table.setdefault(p.canonical, {"shape": p.global_shape, "sources": [], "names": []})
+            if entry["shape"] != p.global_shape:
+                raise CheckpointLayoutError(
+                    f"{t.name}: part {part.index} implies global shape {p.global_shape} but other parts "
+                    f"imply {entry['shape']}: the model parts disagree."
+                )
+            if p.dim is None and entry["sources"]:
+                continue  # replicated: one copy (part 0's) is the tensor
+            entry["sources"].append((t, p))
+            if t.name not in entry["names"]:
+                entry["names"].append(t.name)
+    return table, unknown
+
+
+def canonical_numels(layout: CheckpointLayout) -> int:
+    """Parameter elements of the full model (see :attr:`CheckpointLayout.num_params`)."""
+    table, unknown = _canonical_table(layout, None)
+    buffers = set(layout.parts[0].buffer_names)
+    aliases = {dst for p in layout.parts for _, dst in p.shared}
+    if layout.model_args().get("share_decoder_input_output_embed"):
+        aliases |= {n for n in table if n.endswith("output_projection.weight")}
+    total = 0
+    for name, entry in table.items():
+        if any(n in buffers or n in aliases or n.endswith((".version", "._float_tensor")) for n in entry["names"]):
+            continue
+        total += math.prod(entry["shape"])
+    for name, ts in unknown.items():
+        if name not in buffers:
+            total += sum(t.numel for t in ts)
+    return total
+
+
+def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, qkv: str = "auto",
+              rules: Optional[Mapping[str, str]] = None, dtype: Optional[torch.dtype] = None,
+              tied: bool = True) -> dict:
+    """(any rank, local) The tensors of model-parallel part ``target_part`` of
+    ``target_parts``, in the checkpoint's order: name -> :class:`TargetTensor`.
+
+    Raises:
+        CheckpointLayoutError: the saved parts cannot be mapped onto the target size (a
+            tensor without a rule, a dimension that does not divide).
+    """
+    if not 0 <= target_part < target_parts:
+        raise ValueError(f"target_part={target_part} is outside 0..{target_parts - 1}")
+    style = _qkv_style(layout, qkv)
+    saved = layout.model_parallel_size
+    table, unknown = _canonical_table(layout, rules)
+    if unknown and saved != target_parts:
+        names = sorted(unknown)[:5]
+        raise CheckpointLayoutError(
+            f"{layout.display_name}: cannot change the model-parallel size {saved} -> {target_parts}: no "
+            f"split rule for {names}{' ...' if len(unknown) > 5 else ''}. Pass rules={{'<name suffix>': "
+            "'column'|'row'|'replicated'|'qkv'}} for them, or load at the saved size."
+        )
+    out: dict = {}
+    # Walk the stored names of the target part's own index (or part 0) to keep file order.
+    order_part = layout.parts[target_part] if saved == target_parts else layout.parts[0]
+    done = set()
+    for stored_name, stored in order_part.tensors.items():
+        if stored_name in unknown:
+            src = unknown[stored_name][target_part if saved == target_parts else 0]
+            out[stored_name] = TargetTensor(stored_name, src.shape, dtype or src.dtype,
+                                            (FlatCopy(src, 0, 0, src.numel),))
+            continue
+        p = place(stored_name, stored.shape, order_part.index, saved, rules)
+        canonical = p.canonical
+        if canonical in done:
+            continue
+        done.add(canonical)
+        entry = table[canonical]
+        gshape = entry["shape"]
+        is_qkv = canonical.endswith(_QKV_FUSED)
+        if is_qkv:
+            stored_split = any(_split_qkv_name(n) for n in entry["names"])
+            fused = style == "fused" or (style == "keep" and not stored_split)
+            prefix = canonical[: -len(".qkv_proj.weight") if canonical.endswith("weight") else -len(".qkv_proj.bias")]
+            leaf = canonical.rsplit(".", 1)[1]
+            names = [canonical] if fused else [f"{prefix}.{k}.{leaf}" for k in ("k_proj", "v_proj", "q_proj")]
+        else:
+            names = [canonical]
+        for name in names:
+            if is_qkv and name == canonical:
+                e = gshape[0] // 3
+                if e % target_parts:
+                    raise CheckpointLayoutError(
+                        f"{name}: {e} rows per projection (k, v, q) do not split over {target_parts} "
+                        "model-parallel parts: the attention heads must divide by the model-parallel size."
+                    )
+                per = e // target_parts
+                tp = Placement(canonical, 0, tuple((j * per, j * e + target_part * per, per) for j in range(3)), gshape)
+                local = (3 * per,) + tuple(gshape[1:])
+            else:
+                tp = _target_placement(canonical, gshape, target_part, target_parts, name, rules)
+                local = list(gshape)
+                if tp.dim is not None:
+                    local[tp.dim] = sum(n for _, _, n in tp.segments)
+                local = tuple(local)
+            src_dtype = entry["sources"][0][0].dtype
+            out[name] = TargetTensor(name, local, dtype or src_dtype, _copies(tp, local, entry["sources"]))
+    if tied:
+        shared = list(layout.parts[0].shared)
+        if not shared and layout.flavor == "metaseq" and layout.model_args().get("share_decoder_input_output_embed"):
+            shared = [(n, n.replace("embed_tokens", "output_projection")) for n in out if n.endswith("embed_tokens.weight")]
+        for src, dst in shared:
+            if src in out and dst not in out:
+                t = out[src]
+                out[dst] = TargetTensor(dst, t.shape, t.dtype, t.copies, alias_of=src)
+    return out
+
+
+# --------------------------------------------------------------------------- flat shards
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One FSDP flat parameter of the target: its members, in order."""
+
+    fsdp_path: str
+    flat_name: str
+    names: tuple  # full names
+    shapes: tuple
+    shared: tuple = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.fsdp_path}.{self.flat_name}" if self.fsdp_path else self.flat_name
+
+    @property
+    def numels(self) -> tuple:
+        return tuple(math.prod(s) if s else 1 for s in self.shapes)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(self.numels)
+
+
+@dataclass(frozen=True)
+class FlatStructure:
+    """How the target FSDP model groups its parameters into flat parameters."""
+
+    groups: tuple  # of FlatGroup
+    buffer_names: tuple
+
+    @classmethod
+    def from_layout(cls, layout: CheckpointLayout, targets: Mapping[str, TargetTensor]) -> "FlatStructure":
+        part = layout.parts[0]
+        if not part.flat_params:
+            raise StateDictMismatchError(
+                f"{layout.display_name}: flat=True needs the target FSDP wrapping, and this checkpoint is "
+                "not flattened, so it cannot tell. Pass shard_metadata=model.local_metadata_dict() of the "
+                "fairscale FSDP model you load into."
+            )
+        paths = {fp.fsdp_path for fp in part.flat_params}
+        owned: dict = {}
+        for pair in part.shared:
+            owner = max((p for p in paths if p == "" or pair[0].startswith(p + ".")), key=len, default=None)
+            if owner is not None:
+                owned.setdefault(owner, []).append(tuple(pair))
+        groups = []
+        for fp in part.flat_params:
+            shapes = []
+            for n in fp.names:
+                if n not in targets:
+                    raise StateDictMismatchError(f"{n}: listed in the checkpoint's flat parameter {fp.key} but not planned.")
+                shapes.append(targets[n].shape)
+            flat_name = fp.key[len(fp.fsdp_path) + 1:] if fp.fsdp_path else fp.key
+            groups.append(FlatGroup(fp.fsdp_path, flat_name, fp.names, tuple(shapes),
+                                    tuple(owned.pop(fp.fsdp_path, ()))))
+        return cls(tuple(groups), tuple(part.buffer_names))
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping) -> "FlatStructure":
+        """From fairscale's ``FullyShardedDataParallel.local_metadata_dict()``."""
+        groups = []
+        for pm in metadata["param_metadata"]:
+            fsdp_path = pm.get("fsdp_path", "") or ""
+            shared = tuple(
+                (f"{fsdp_path}.{a}" if fsdp_path else a, f"{fsdp_path}.{b}" if fsdp_path else b)
+                for a, b in (pm.get("shared_param_info") or ())
+            )
+            first = True
+            for flat_name, v in pm["params"].items():
+                names = tuple(f"{fsdp_path}.{n}" if fsdp_path else n for n in v["names"])
+                groups.append(FlatGroup(fsdp_path, flat_name, names, tuple(tuple(int(x) for x in s) for s in v["shapes"]),
+                                        shared if first else ()))
+                first = False
+        return cls(tuple(groups), tuple(metadata.get("buffer_names", ()) or ()))
+
+    def check_against(self, targets: Mapping[str, TargetTensor]) -> None:
+        problems = []
+        for g in self.groups:
+            for n, s in zip(g.names, g.shapes):
+                if n not in targets:
+                    problems.append(f"missing {n}")
+                elif tuple(targets[n].shape) != tuple(s):
+                    problems.append(f"{n}: checkpoint {tuple(targets[n].shape)} vs target {tuple(s)}")
+        if problems:
+            raise StateDictMismatchError(
+                f"the target FSDP model does not match the checkpoint: {'; '.join(problems[:5])}"
+                + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
+            )
+
+    def shard_metadata(self, rank: int, world: int) -> dict:
+        """fairscale's ``shard_metadata`` for the local shard of ``rank`` of ``world``."""
+        by_path: dict = {}
+        for g in self.groups:
+            lo, hi, size = flat_shard_range(g.total_numel, rank, world)
+            pm = by_path.get(g.fsdp_path)
+            if pm is None:
+                pm = {"fsdp_path": g.fsdp_path, "params": {}, "no_broadcast_optim_state": False,
+                      "shared_param_info": [tuple(p[len(g.fsdp_path) + 1:] if g.fsdp_path else p for p in pair)
+                                            for pair in g.shared]}
+                by_path[g.fsdp_path] = pm
+            prefix = len(g.fsdp_path) + 1 if g.fsdp_path else 0
+            pm["params"][g.flat_name] = {
+                "names": [n[prefix:] for n in g.names],
+                "shapes": [tuple(s) for s in g.shapes],
+                "numels": list(g.numels),
+                "padding": size - (hi - lo),
+            }
+        return {"param_metadata": list(by_path.values()), "buffer_names": list(self.buffer_names)}
+
+
+def flat_shard_range(total: int, rank: int, world: int) -> tuple:
+    """(start, end, local size) of ``rank``'s slice of a flat parameter of ``total``
+    elements over ``world`` ranks, exactly as fairscale shards it: ``torch.chunk`` into
+    ceil(total / world) sized pieces, the tail (and any empty rank) zero-padded."""
+    size = -(-total // world) if total else 0
+    lo = min(total, rank * size)
+    hi = min(total, lo + size)
+    return lo, hi, size
+
+
+def describe_source(layout: CheckpointLayout) -> str:
+    flat = "flat" if layout.flat else "unflattened"
+    return f"{layout.model_parallel_size}x{layout.shards_per_part} {flat} ({os.path.basename(layout.prefix)})"

@@ -1,0 +1,45 @@
+"""`metaseq-oneload inspect`: readable table, --json, clean errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from metaseq_oneload.cli import main
+from tests.conftest import FIXTURES, needs_fixtures
+
+
+def test_console_script_is_declared():
+    eps = entry_points(group="console_scripts")
+    assert any(ep.name == "metaseq-oneload" and ep.value == "metaseq_oneload.cli:main" for ep in eps)
+
+
+@needs_fixtures
+def test_table(capsys):
+    assert main(["inspect", str(FIXTURES / "mp2_dp2" / "checkpoint_last.pt")]) == 0
+    out = capsys.readouterr().out
+    for line in ("kind              fsdp_sharded", "model parallel    2", "shards per part   2",
+                 "saved world size  4", "params            21,548", "[1][1]  checkpoint_2-model_part-1-shard1.pt"):
+        assert line in out
+
+
+@needs_fixtures
+def test_json(capsys):
+    assert main(["inspect", str(FIXTURES / "singleton"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["kind"] == "singleton" and d["files"] == [[str(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")]]
+    assert d["warnings"] and d["num_params"] == 21548
+
+
+def test_error_exit_code_and_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "metaseq_oneload.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.startswith("metaseq-oneload inspect: error: ") and "holds no *.pt files" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "metaseq_oneload.cli", "inspect", str(tmp_path), "--debug"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" in r.stderr
