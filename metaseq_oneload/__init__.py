@@ -10,6 +10,7 @@ Public API (everything else is private)::
 
 from ._errors import (
     CheckpointLayoutError,
+    CheckpointNotFoundError,
     DistributedLoadError,
     OneloadError,
     StateDictMismatchError,
@@ -28,6 +29,7 @@ __all__ = [
     "LoadReport",
     "OneloadError",
     "CheckpointLayoutError",
+    "CheckpointNotFoundError",
     "UnsafeCheckpointError",
     "StateDictMismatchError",
     "DistributedLoadError",

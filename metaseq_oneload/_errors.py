@@ -16,6 +16,11 @@ class CheckpointLayoutError(OneloadError):
     runs, truncated or non-checkpoint file, ambiguous folder, symlink loop...)."""
 
 
+class CheckpointNotFoundError(CheckpointLayoutError, FileNotFoundError):
+    """Nothing at the path: no file, folder or suffixed set. With ``strategy="auto"`` a
+    rank that cannot see the files receives them by broadcast instead."""
+
+
 class UnsafeCheckpointError(OneloadError):
     """A checkpoint's pickle needs a class outside the allowlist; nothing was executed."""
 

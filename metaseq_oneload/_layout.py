@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ._errors import CheckpointLayoutError
+from ._errors import CheckpointLayoutError, CheckpointNotFoundError
 from ._reading import Extent, _file_kind, key_path, read_header, storage_byte_offset
 
 __all__ = ["FileName", "CheckpointLayout", "discover"]
@@ -358,7 +358,7 @@ def _resolve(path: str) -> str:
                     f"{path}: dangling link: {' -> '.join(chain)} does not exist. Re-create the link "
                     "or pass the checkpoint's real file name."
                 ) from None
-            raise CheckpointLayoutError(f"{path}: no such file.") from None
+            raise CheckpointNotFoundError(f"{path}: no such file.") from None
         if os.path.isdir(real):
             return real
         target = _read_pointer(real)
@@ -461,7 +461,7 @@ def _resolve_set(path: str) -> _FileSet:
     if glob.has_magic(path):
         matches = [m for m in sorted(glob.glob(path)) if not os.path.isdir(m)]
         if not matches:
-            raise CheckpointLayoutError(f"{path}: the pattern matches no files.")
+            raise CheckpointNotFoundError(f"{path}: the pattern matches no files.")
         entries = [_Entry(os.path.basename(m), FileName.parse(os.path.basename(m)) or FileName(m), _resolve(m))
                    for m in matches]
         keys = sorted({e.set_key for e in entries})
@@ -519,11 +519,11 @@ def _resolve_set(path: str) -> _FileSet:
     directory, base = os.path.split(path)
     directory = directory or "."
     if not base.endswith(".pt") or not os.path.isdir(directory):
-        raise CheckpointLayoutError(f"{path}: no such file or folder.")
+        raise CheckpointNotFoundError(f"{path}: no such file or folder.")
     stem = base[:-3]
     entries = [e for e in _scan(directory) if e.parsed.prefix == stem]
     if not entries:
-        raise CheckpointLayoutError(
+        raise CheckpointNotFoundError(
             f"{path}: no such file, and no {stem}-model_part-*.pt, {stem}-shard*.pt or {stem}_part*.pt "
             f"beside it in {os.path.abspath(directory)}. Pass an existing file or the folder."
         )

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group, settle
-from ._errors import CheckpointLayoutError, OneloadError, StateDictMismatchError
+from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, StoredTensor, discover
 from ._plan import (BlockCopy, FlatCopy, FlatStructure, TargetTensor, describe_source, flat_shard_range,
                     plan_part)
@@ -117,7 +117,7 @@ class _Options:
     qkv: str = "auto"
     rules: Optional[Mapping] = None
     dtype: Optional[torch.dtype] = None
-    progress: Optional[bool] = None
+    progress: "Optional[bool] | Callable[[int], None]" = None
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -239,6 +239,12 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
             world: int, flat: bool, dp: Group) -> tuple:
     """(strategy, reason). Every rank of a data-parallel group computes the same answer
     from the same gathered ``infos``; raises (locally, on every rank alike) if impossible."""
+    broken = [info for info in infos if not info["ok"] and not info["blind"]]
+    if broken:
+        raise CheckpointLayoutError(
+            "the checkpoint is damaged as some ranks see it: "
+            + "; ".join(f"rank {info['rank']}: {info['err']}" for info in broken)
+        )
     blind = [i for i, info in enumerate(infos) if not info["ok"]]
     if not infos[0]["ok"]:
         raise CheckpointLayoutError(
@@ -413,7 +419,9 @@ def _unspec(payload: bytes) -> tuple:
     return targets, structure
 
 
-def _progress_bar(enabled: Optional[bool], total: int, rank: int):
+def _progress_bar(enabled, total: int, rank: int):
+    if callable(enabled):
+        return enabled, contextlib.nullcontext()
     if enabled is None:
         enabled = rank == 0 and sys.stderr.isatty() and total >= (256 << 20)
     if not enabled:
@@ -441,6 +449,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     info = {
         "rank": dp.global_rank,
         "ok": layout is not None,
+        "blind": isinstance(err, CheckpointNotFoundError),
         "fp": layout.fingerprint() if layout is not None else None,
         "err": None if err is None else f"{type(err).__name__}: {err}",
         "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
@@ -591,7 +600,7 @@ def load_checkpoint(
     qkv: str = "auto",
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
-    progress: Optional[bool] = None,
+    progress: "Optional[bool] | Callable[[int], None]" = None,
 ) -> LoadedCheckpoint:
     """(collective over the groups given) Like :func:`load_state_dict`, returning the
     state dict with its ``shard_metadata``, the layout and a :class:`LoadReport`."""
@@ -658,7 +667,7 @@ def load_state_dict(
     qkv: str = "auto",
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
-    progress: Optional[bool] = None,
+    progress: "Optional[bool] | Callable[[int], None]" = None,
 ) -> "OrderedDict[str, torch.Tensor]":
     """(collective over the groups given) This rank's part of any checkpoint's weights.
 
@@ -687,7 +696,8 @@ def load_state_dict(
         qkv: "auto" (fuse split k/v/q for metaseq checkpoints), "fused", "split" or "keep".
         rules: extra model-parallel split rules, name suffix -> "column"|"row"|"replicated"|"qkv".
         trust_pickle: unpickle without the allowlist. Unsafe: runs code from the file.
-        progress: show a progress bar (default: on a terminal, rank 0, loads >= 256 MiB).
+        progress: show a progress bar (default: on a terminal, rank 0, loads >= 256 MiB), or
+            a callable that receives the number of bytes after each piece lands.
 
     Returns:
         An ``OrderedDict`` of tensors (with ``.shard_metadata`` when ``flat=True``).
@@ -773,7 +783,7 @@ def load_into(
     qkv: Optional[str] = None,
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
-    progress: Optional[bool] = None,
+    progress: "Optional[bool] | Callable[[int], None]" = None,
 ) -> LoadReport:
     """(collective over the groups given) Fill ``module``'s parameters and buffers in place.
 

@@ -375,10 +375,12 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
             out[name] = TargetTensor(name, local, dtype or src_dtype, _copies(tp, local, entry["sources"]))
     if tied:
         shared = list(layout.parts[0].shared)
-        if not shared and layout.flavor == "metaseq" and layout.model_args().get("share_decoder_input_output_embed"):
+        if not shared and layout.model_args().get("share_decoder_input_output_embed"):
             shared = [(n, n.replace("embed_tokens", "output_projection")) for n in out if n.endswith("embed_tokens.weight")]
         for src, dst in shared:
-            if src in out and dst not in out:
+            # The tied weight follows its source, also where a file stores both (metaseq's
+            # pytorch_ddp parts do): one tensor under two names, read once.
+            if src in out and (dst not in out or out[dst].shape == out[src].shape):
                 t = out[src]
                 out[dst] = TargetTensor(dst, t.shape, t.dtype, t.copies, alias_of=src)
     return out

@@ -1,0 +1,99 @@
+"""Functions that run on every rank (spawned by harness.run_ranks). Module level so that
+spawned processes can import them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import metaseq_oneload as mo
+from tests.conftest import FIXTURES, SETS, assert_matches_reference, raw_load, reference_part, reference_weights
+
+
+def make_groups(rank: int, world: int, mp_size: int):
+    """Megatron-style grid: model-parallel groups are consecutive ranks."""
+    w = world // mp_size
+    mp_groups = [dist.new_group(list(range(k * mp_size, (k + 1) * mp_size))) for k in range(w)]
+    dp_groups = [dist.new_group([m + k * mp_size for k in range(w)]) for m in range(mp_size)]
+    mp_group = mp_groups[rank // mp_size] if mp_size > 1 else None
+    dp_group = dp_groups[rank % mp_size] if world > 1 else None
+    return dp_group, mp_group, rank // mp_size, rank % mp_size, w
+
+
+def fairscale_shard(flat: torch.Tensor, rank: int, world: int):
+    """fairscale 0.4.13's FullyShardedDataParallel._get_shard, as the oracle."""
+    chunks = list(torch.flatten(flat).chunk(world))
+    while len(chunks) < world:
+        chunks.append(chunks[0].new_empty(0))
+    shard = chunks[rank].clone()
+    pad = chunks[0].numel() - shard.numel()
+    if pad > 0:
+        shard = F.pad(shard, [0, pad])
+    return shard, pad
+
+
+def target_metadata(mp_size: int) -> dict:
+    """A fairscale local_metadata_dict of the fixture model at this model-parallel size."""
+    src = "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt" if mp_size == 1 else "mp2_dp2/checkpoint_2-model_part-0-shard0.pt"
+    return raw_load(FIXTURES / src)["shard_metadata"]
+
+
+def check_flat(sd, meta, ref_part, dp_group, dp_rank, w) -> None:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    for pm in meta["param_metadata"]:
+        for flat_name, v in pm["params"].items():
+            key = f"{pm['fsdp_path']}.{flat_name}" if pm["fsdp_path"] else flat_name
+            names = [f"{pm['fsdp_path']}.{n}" if pm["fsdp_path"] else n for n in v["names"]]
+            full = torch.cat([ref_part[n].flatten() for n in names])
+            want, pad = fairscale_shard(full, dp_rank, w)
+            assert v["padding"] == pad, (key, v["padding"], pad)
+            diff = (sd[key] - want).abs()
+            assert diff.max() <= 1e-4 if diff.numel() else True, (key, float(diff.max()))
+    # Gathered and unpadded, by fairscale's own consolidation, they are the full weights.
+    keys = list(sd)
+    gathered = [dict() for _ in range(w)]
+    metas = [None] * w
+    for k in keys:
+        parts = [torch.empty_like(sd[k]) for _ in range(w)]
+        if dp_group is not None and w > 1:
+            dist.all_gather(parts, sd[k].contiguous(), group=dp_group)
+        else:
+            parts = [sd[k]]
+        for r in range(w):
+            gathered[r][k] = parts[r]
+    if dp_group is not None and w > 1:
+        dist.all_gather_object(metas, meta, group=dp_group)
+    else:
+        metas = [meta]
+    full = FSDP.consolidate_shard_weights(gathered, metas)
+    expected = {k: v for k, v in ref_part.items() if k != "decoder.output_projection.weight"}
+    assert_matches_reference(full, expected)
+
+
+def load_matrix(rank: int, world: int, mp_size: int, strategies, sets=SETS, flats=(False, True)) -> list:
+    dp, mpg, dp_rank, mp_rank, w = make_groups(rank, world, mp_size)
+    ref = reference_weights()
+    ref_part = reference_part(ref, mp_rank, mp_size)
+    out = []
+    for name in sets:
+        for flat in flats:
+            for strategy in strategies:
+                layout = mo.inspect(FIXTURES / name)
+                md = None if layout.flat else target_metadata(mp_size)
+                lc = mo.load_checkpoint(FIXTURES / name, process_group=dp, model_parallel_group=mpg, flat=flat,
+                                        strategy=strategy, shard_metadata=md if flat else None, verify=True)
+                try:
+                    if flat:
+                        check_flat(lc.model, lc.shard_metadata, ref_part, dp, dp_rank, w)
+                    else:
+                        assert_matches_reference(lc.model, ref_part)
+                        out_proj = lc.model["decoder.output_projection.weight"]
+                        assert out_proj is lc.model["decoder.embed_tokens.weight"]
+                except AssertionError as e:
+                    raise AssertionError(f"{name} flat={flat} strategy={strategy} (world {world}, mp {mp_size}): {e}") from e
+                out.append([name, flat, strategy, lc.report.strategy, lc.report.bytes_read, lc.report.verified])
+    return out
