@@ -93,7 +93,7 @@ class CheckpointFile:
     part: int
     shard: int
     size: int
-    format: str  # "zip" (range-readable) or "legacy" (read whole)
+    format: str  # "zip" or "safetensors" (range-readable), "legacy" (read whole)
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,8 @@ class CheckpointLayout:
 
     @property
     def shards_per_part(self) -> int:
-        return len(self.files[0])
+        # A Hugging Face set spreads one state dict over files; they are not FSDP shards.
+        return 1 if self.flavor == "huggingface" else len(self.files[0])
 
     @property
     def flat(self) -> bool:
@@ -245,7 +246,12 @@ class CheckpointLayout:
         return os.path.join(self.directory, self.prefix)
 
     def model_args(self) -> dict:
-        """The model's hyper-parameters (``cfg.model`` or old fairseq ``args``) as a dict."""
+        """The model's hyper-parameters (``cfg.model`` or old fairseq ``args``; a Hugging Face
+        folder's config.json) as a dict."""
+        if self.flavor == "huggingface":
+            from ._hf_layout import hf_config
+
+            return hf_config(self) or {}
         header = self.header()
         if not isinstance(header, Mapping):
             return {}
@@ -306,10 +312,12 @@ class CheckpointLayout:
     def fingerprint(self) -> str:
         """A digest of everything that decides which bytes go where: ranks compare it
         before reading, so a rank that sees other files makes every rank stop."""
+        # File names, not paths: ranks may mount the same files at different places.
         desc = {
-            "files": [[(f.path, f.size) for f in row] for row in self.files],
+            "files": [[(os.path.basename(f.path), f.size) for f in row] for row in self.files],
             "tensors": [
-                [(t.name, str(t.dtype), list(t.shape), [(e.path, e.byte_offset, e.numel) for e in t.extents])
+                [(t.name, str(t.dtype), list(t.shape),
+                  [(os.path.basename(e.path), e.byte_offset, e.numel) for e in t.extents])
                  for t in p.tensors.values()]
                 for p in self.parts
             ],
@@ -835,7 +843,8 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
 
     ``path`` may be a folder, any file of the set (any part, any shard, a
     ``checkpoint_last-*`` link or text pointer), the un-suffixed name metaseq scripts take
-    (``.../checkpoint_last.pt``, ``.../reshard.pt``), or a glob. Reads file names and
+    (``.../checkpoint_last.pt``, ``.../reshard.pt``), or a glob; or a Hugging Face folder or
+    weight file (``model.safetensors``, a sharded ``*.index.json`` set, ``pytorch_model.bin``). Reads file names and
     pickled headers only, never tensor data, and modifies nothing on disk.
 
     Raises:
@@ -844,6 +853,10 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
             or ambiguous folder, mixed checkpoints, inconsistent padding, a symlink loop.
         UnsafeCheckpointError: a header needs a class outside the allowlist.
     """
+    from ._hf_layout import discover_hf, is_hf_path
+
+    if is_hf_path(os.fspath(path)):
+        return discover_hf(os.fspath(path), trust_pickle=trust_pickle)
     fs = _resolve_set(os.fspath(path))
     name, grid = _check_grid(fs)
     if trust_pickle:

@@ -441,9 +441,11 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     # 1. Discover, then agree on what everyone sees.
     layout, err = None, None
     try:
-        layout = discover(path, trust_pickle=opts.trust_pickle)
+        layout = path if isinstance(path, CheckpointLayout) else discover(path, trust_pickle=opts.trust_pickle)
     except Exception as e:  # reported collectively below
         err = e
+    if isinstance(path, CheckpointLayout):
+        path = path.display_name
     if not dp.active and not mp.active and err is not None:
         raise err
     info = {
@@ -539,7 +541,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             else:
                 mm = _MmapReader(reader)
                 for w in wants:
-                    got = float(w.out.double().sum())
+                    got = float(w.out.detach().double().sum())
                     exp = _fingerprint(targets[w.name], w.start, w.stop, mm, opts.chunk_bytes)
                     if not _close(got, exp, w.out.numel()):
                         raise OneloadError(
@@ -741,7 +743,7 @@ def _dtensor_want(name: str, t, post: list) -> Want:
     """The element range of the global tensor this rank's DTensor shard holds."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = t.to_local()
+    local = t.to_local().detach()
     shape = tuple(t.shape)
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     inner = math.prod(shape[1:]) if len(shape) > 1 else 1
@@ -823,6 +825,10 @@ def load_into(
         first_name: dict = {}
         for name, t in entries.items():
             first_name.setdefault(id(t), name)
+            # Of names sharing one tensor, own the one the checkpoint stores (Hugging Face
+            # saves one of a tied group, not always the module's first).
+            if name in targets and targets[name].alias_of is None and first_name[id(t)] not in targets:
+                first_name[id(t)] = name
         owned = [n for n, t in entries.items() if first_name[id(t)] == n]
         tied = {n: first_name[id(t)] for n, t in entries.items() if first_name[id(t)] != n}
         wanted = {n for n, t in targets.items() if t.alias_of is None}

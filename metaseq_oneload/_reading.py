@@ -296,6 +296,13 @@ class RangeReader:
         self.bytes_read += len(view)
 
     def _object_tensor(self, ext: Extent) -> torch.Tensor:
+        if ext.path.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            handle = self._objects.get(ext.path)
+            if handle is None:
+                handle = self._objects[ext.path] = safe_open(ext.path, framework="pt")
+            return handle.get_tensor(ext.key).reshape(-1)[ext.elem_offset: ext.elem_offset + ext.numel]
         obj = self._objects.get(ext.path)
         if obj is None:
             if _file_kind(ext.path) == "legacy":

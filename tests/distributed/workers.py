@@ -97,3 +97,87 @@ def load_matrix(rank: int, world: int, mp_size: int, strategies, sets=SETS, flat
                     raise AssertionError(f"{name} flat={flat} strategy={strategy} (world {world}, mp {mp_size}): {e}") from e
                 out.append([name, flat, strategy, lc.report.strategy, lc.report.bytes_read, lc.report.verified])
     return out
+
+
+def load_into_fsdp2(rank: int, world: int, name: str, strategy: str, blind_ranks=()) -> dict:
+    """A meta-built model, sharded with FSDP2, filled in place; blind ranks get a path
+    that does not exist on them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from tests.tiny_metaseq import TinyMetaseqLM
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = TinyMetaseqLM()
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    path = FIXTURES / name if rank not in blind_ranks else f"/nonexistent-on-rank-{rank}/checkpoint_last.pt"
+    report = mo.load_into(model, path, strategy=strategy, verify=True)
+    ref = reference_weights()
+    local_numel = sum(p.to_local().numel() for p in model.parameters())  # unique: ties once
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.state_dict().items()}
+    assert_matches_reference(full, ref)
+    assert model.decoder.output_projection.weight is model.decoder.embed_tokens.weight
+    return {"strategy": report.strategy, "local_numel": local_numel}
+
+
+def load_into_meta(rank: int, world: int, name: str) -> dict:
+    """Unwrapped meta-built model on every rank: materialised as it loads."""
+    from tests.tiny_metaseq import TinyMetaseqLM
+
+    with torch.device("meta"):
+        model = TinyMetaseqLM()
+    report = mo.load_into(model, FIXTURES / name, process_group=dist.group.WORLD, strategy="broadcast", verify=True)
+    assert_matches_reference(model.state_dict(), reference_weights())
+    assert model.decoder.output_projection.weight is model.decoder.embed_tokens.weight
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    return {"strategy": report.strategy}
+
+
+def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
+    """Run a load that must fail on every rank; return the message each rank saw."""
+    import shutil
+
+    from tests.tiny_metaseq import TinyMetaseqLM
+
+    group = dist.group.WORLD
+    own = os.path.join(tmp, f"rank{rank}")
+    if scenario in ("truncate_while_reading", "reader_dies_mid_broadcast"):
+        shutil.copytree(FIXTURES / "fsdp_dp3", own, symlinks=True)
+    calls = {"n": 0}
+
+    def truncate_after_first_piece(nbytes):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            for f in sorted(os.listdir(own)):
+                if f.startswith("checkpoint_2-"):
+                    os.chmod(os.path.join(own, f), 0o644)
+                    os.truncate(os.path.join(own, f), 2000)
+
+    try:
+        if scenario == "different_files":
+            path = FIXTURES / ("fsdp_dp3" if rank == 0 else "mp2_dp2")
+            mo.load_state_dict(path, process_group=group)
+        elif scenario == "truncate_while_reading":
+            mo.load_state_dict(own, process_group=group, strategy="reshard",
+                               progress=truncate_after_first_piece if rank == 1 else None)
+        elif scenario == "reader_dies_mid_broadcast":
+            mo.load_state_dict(own, process_group=group, strategy="broadcast", bucket_mb=0.001,
+                               progress=truncate_after_first_piece if rank == 0 else None)
+        elif scenario == "wrong_shape_on_one_rank":
+            torch.manual_seed(0)
+            model = TinyMetaseqLM(ffn=64 if rank == 0 else 48)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            try:
+                mo.load_into(model, FIXTURES / "singleton", process_group=group)
+            finally:
+                for k, v in model.state_dict().items():
+                    assert torch.equal(v, before[k]), f"{k} was written although the load failed"
+        else:
+            raise ValueError(scenario)
+    except mo.DistributedLoadError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: {scenario} did not raise")
