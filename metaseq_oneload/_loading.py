@@ -322,7 +322,8 @@ def _schedule(targets: Mapping[str, TargetTensor], bucket_bytes: int, direct: bo
 def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
                     reader: Optional[RangeReader], opts: _Options, direct: bool, progress) -> tuple:
     """(collective over ``dp``) Rank 0 reads and broadcasts; everyone copies what it
-    wants. Returns (this rank's error or None, per-target received sums for verify)."""
+    wants. For loads where every rank wants everything (``flat=False``). Returns (this
+    rank's error or None, per-target sums of what arrived, for verify)."""
     by_name: dict = {}
     for w in wants:
         by_name.setdefault(w.name, []).append(w)
@@ -352,11 +353,7 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
             continue
         if bucket is None:
             bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
-        views = []
-        for e in entries:
-            t = targets[e.name]
-            nbytes = e.length * torch.empty((), dtype=t.dtype).element_size()
-            views.append(bucket[e.offset: e.offset + nbytes].view(t.dtype))
+        views = _bucket_views(bucket, entries, targets)
         if dp.rank == 0:
             try:
                 for e, v in zip(entries, views):
@@ -375,15 +372,115 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
             for e, v in zip(entries, views):
                 if opts.verify:
                     sums[e.name] = sums.get(e.name, 0.0) + float(v.double().sum())
-                for w in by_name.get(e.name, ()):
-                    lo, hi = max(w.start, e.start), min(w.stop, e.start + e.length)
-                    if lo < hi:
-                        w.out[lo - w.start: hi - w.start].copy_(v[lo - e.start: hi - e.start])
+                _scatter_local(by_name.get(e.name, ()), e, v)
                 if progress:
                     progress(v.numel() * v.element_size())
         except Exception as exc:
             error = exc
     return error, sums
+
+
+def _bucket_views(bucket: torch.Tensor, entries: Sequence[_Entry], targets: Mapping[str, TargetTensor]) -> list:
+    views = []
+    for e in entries:
+        t = targets[e.name]
+        nbytes = e.length * torch.empty((), dtype=t.dtype).element_size()
+        views.append(bucket[e.offset: e.offset + nbytes].view(t.dtype))
+    return views
+
+
+def _scatter_local(wants: Sequence[Want], e: _Entry, v: torch.Tensor) -> None:
+    """Copy the parts of bucket entry ``e`` (data ``v``) that ``wants`` cover."""
+    for w in wants:
+        lo, hi = max(w.start, e.start), min(w.stop, e.start + e.length)
+        if lo < hi:
+            w.out[lo - w.start: hi - w.start].copy_(v[lo - e.start: hi - e.start])
+
+
+def _pieces(entries: Sequence[_Entry], ranges: Sequence) -> list:
+    """(entry index, rank, lo, hi) for every piece of these entries some rank wants, in
+    the one order every rank walks."""
+    out = []
+    for i, e in enumerate(entries):
+        for r, rr in enumerate(ranges):
+            for name, start, stop in rr.get(e.name, ()):
+                lo, hi = max(start, e.start), min(stop, e.start + e.length)
+                if lo < hi:
+                    out.append((i, r, lo, hi))
+    return out
+
+
+def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
+                  reader: Optional[RangeReader], opts: _Options, progress) -> tuple:
+    """(collective over ``dp``) Rank 0 reads a bucket at a time and sends every rank
+    exactly its pieces, point to point; receivers take them straight into their output
+    tensors. For loads where ranks want different pieces (flat shards, DTensor shards):
+    each byte crosses the wire once, and receivers hold no bucket.
+    Returns (this rank's error or None, {rank: {name: expected sum}} on rank 0 for verify)."""
+    mine = {}
+    for w in wants:
+        mine.setdefault(w.name, []).append([w.name, w.start, w.stop])
+    ranges = dp.all_gather_json(mine) if dp.active else [mine]
+    by_name: dict = {}
+    for w in wants:
+        by_name.setdefault(w.name, []).append(w)
+    error: Optional[BaseException] = None
+    status = torch.zeros(1, dtype=torch.int64, device=dp.device)
+    bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device) if dp.rank == 0 else None
+    tag = 0
+    for _, entries in _schedule(targets, opts.bucket_bytes, direct=False):
+        pieces = _pieces(entries, ranges)
+        if not pieces:
+            continue
+        views = _bucket_views(bucket, entries, targets) if dp.rank == 0 else None
+        if dp.rank == 0:
+            try:
+                for e, v in zip(entries, views):
+                    _fill(targets[e.name], v, e.start, reader)
+                status.fill_(0)
+            except Exception as exc:  # announce it, so receivers do not wait forever
+                error, _ = exc, status.fill_(1)
+        dp.broadcast(status)
+        if int(status.item()):
+            break
+        handles, landing = [], []
+        for i, r, lo, hi in pieces:
+            tag += 1
+            e = entries[i]
+            if dp.rank == 0:
+                src = views[i][lo - e.start: hi - e.start]
+                if r == 0:
+                    _scatter_local(by_name.get(e.name, ()), e, views[i])
+                else:
+                    handles.append(dist.isend(src, dst=dp.global_of(r), group=dp.group, tag=tag))
+                continue
+            if r != dp.rank:
+                continue
+            for w in by_name.get(e.name, ()):
+                a, b = max(lo, w.start), min(hi, w.stop)
+                if (a, b) != (lo, hi):
+                    continue
+                out = w.out[lo - w.start: hi - w.start]
+                t = targets[e.name]
+                if out.dtype == t.dtype and out.device == dp.device and out.is_contiguous():
+                    handles.append(dist.irecv(out, src=dp.global_of(0), group=dp.group, tag=tag))
+                else:
+                    tmp = torch.empty(hi - lo, dtype=t.dtype, device=dp.device)
+                    handles.append(dist.irecv(tmp, src=dp.global_of(0), group=dp.group, tag=tag))
+                    landing.append((out, tmp))
+                break
+        for h in handles:
+            h.wait()
+        try:
+            for out, tmp in landing:
+                out.copy_(tmp)
+        except Exception as exc:
+            error = error or exc
+        if progress:
+            progress(sum(v.numel() * v.element_size() for v in views) if views else
+                     sum((hi - lo) * by_name[entries[i].name][0].out.element_size()
+                         for i, r, lo, hi in pieces if r == dp.rank))
+    return error, ranges
 
 
 # --------------------------------------------------------------------------- engine
@@ -504,15 +601,22 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     total = sum(w.out.numel() * w.out.element_size() for w in wants)
     progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
     sums: dict = {}
+    mode, all_ranges = strategy, None
     error = None
     if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
         logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
     with bar:
         if strategy == "broadcast":
-            direct_ok = all(_direct_capable(w, targets, dp) for w in wants) and len(wants) == sum(
-                1 for t in targets.values() if t.alias_of is None)
-            direct = all(dp.all_gather_json(direct_ok)) if dp.active else direct_ok
-            error, sums = _broadcast_loop(dp, targets, wants, reader, opts, direct, progress)
+            whole = len(wants) == sum(1 for t in targets.values() if t.alias_of is None) and all(
+                w.start == 0 and w.out.numel() == targets[w.name].numel for w in wants)
+            direct_ok = whole and all(_direct_capable(w, targets, dp) for w in wants)
+            votes = dp.all_gather_json([whole, direct_ok]) if dp.active else [[whole, direct_ok]]
+            if all(v[0] for v in votes):
+                mode = "broadcast"
+                error, sums = _broadcast_loop(dp, targets, wants, reader, opts, all(v[1] for v in votes), progress)
+            else:
+                mode = "scatter"
+                error, all_ranges = _scatter_loop(dp, targets, wants, reader, opts, progress)
         else:
             try:
                 for w in wants:
@@ -528,7 +632,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     if opts.verify:
         error = None
         try:
-            if strategy == "broadcast":
+            if strategy == "broadcast" and mode == "broadcast":
                 expected = {}
                 if dp.rank == 0:
                     mm = _MmapReader(reader)
@@ -538,6 +642,21 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
                 for n, got in sums.items():
                     if not _close(got, expected[n], targets[n].numel):
                         raise OneloadError(f"verify: {n}: received sum {got!r} != source sum {expected[n]!r}")
+            elif strategy == "broadcast":
+                # The reader computes what every rank should hold, through torch's own
+                # reading of the files; each rank compares with what it received.
+                expected = []
+                if dp.rank == 0:
+                    mm = _MmapReader(reader)
+                    expected = [[_fingerprint(targets[n], a, b, mm, opts.chunk_bytes)
+                                 for rr in r.values() for n, a, b in rr] for r in all_ranges]
+                expected = json.loads(dp.broadcast_bytes(json.dumps(expected).encode() if dp.rank == 0 else None))
+                mine = [w for rr in all_ranges[dp.rank].values() for w in rr]
+                by_key = {(w.name, w.start, w.stop): w for w in wants}
+                for (n, a, b), exp in zip(mine, expected[dp.rank]):
+                    got = float(by_key[(n, a, b)].out.detach().double().sum())
+                    if not _close(got, exp, b - a):
+                        raise OneloadError(f"verify: {n}[{a}:{b}]: received sum {got!r} != source sum {exp!r}")
             else:
                 mm = _MmapReader(reader)
                 for w in wants:

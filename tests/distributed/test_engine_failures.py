@@ -16,6 +16,7 @@ pytestmark = needs_fixtures
     ("different_files", 2, r"the ranks see different checkpoint files \(rank 0: .*fsdp_dp3/checkpoint_2 1x3; rank 1: .*mp2_dp2/checkpoint_2 2x2\)"),
     ("truncate_while_reading", 3, r"reading failed on 1 rank\(s\) \(1\).*rank 1: CheckpointLayoutError: .*truncated: needed bytes"),
     ("reader_dies_mid_broadcast", 3, r"reading failed on 1 rank\(s\) \(0\).*rank 0: CheckpointLayoutError: .*truncated: needed bytes"),
+    ("reader_dies_mid_scatter", 3, r"reading failed on 1 rank\(s\) \(0\).*rank 0: CheckpointLayoutError: .*truncated: needed bytes"),
     ("wrong_shape_on_one_rank", 2, r"matching the target failed on 1 rank\(s\) \(1\).*decoder\.layers\.0\.fc1\.weight: checkpoint \(64, 34\) vs module \(48, 34\)"),
 ])
 def test_every_rank_raises(tmp_path, scenario, world, needle):

@@ -145,7 +145,7 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
 
     group = dist.group.WORLD
     own = os.path.join(tmp, f"rank{rank}")
-    if scenario in ("truncate_while_reading", "reader_dies_mid_broadcast"):
+    if scenario in ("truncate_while_reading", "reader_dies_mid_broadcast", "reader_dies_mid_scatter"):
         shutil.copytree(FIXTURES / "fsdp_dp3", own, symlinks=True)
     calls = {"n": 0}
 
@@ -166,6 +166,9 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
                                progress=truncate_after_first_piece if rank == 1 else None)
         elif scenario == "reader_dies_mid_broadcast":
             mo.load_state_dict(own, process_group=group, strategy="broadcast", bucket_mb=0.001,
+                               progress=truncate_after_first_piece if rank == 0 else None)
+        elif scenario == "reader_dies_mid_scatter":
+            mo.load_state_dict(own, process_group=group, strategy="broadcast", bucket_mb=0.001, flat=True,
                                progress=truncate_after_first_piece if rank == 0 else None)
         elif scenario == "wrong_shape_on_one_rank":
             torch.manual_seed(0)
