@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -44,8 +44,7 @@ import torch.distributed as dist
 from ._dist import Group, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, StoredTensor, discover
-from ._plan import (BlockCopy, FlatCopy, FlatStructure, TargetTensor, describe_source, flat_shard_range,
-                    plan_part)
+from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part
 from ._reading import RangeReader
 
 __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
@@ -530,7 +529,7 @@ def _progress_bar(enabled, total: int, rank: int):
 
 
 def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_from: Optional[Mapping],
-            make_wants: Callable, what: str) -> tuple:
+            make_wants: Callable) -> tuple:
     """(collective over both groups) Discover, agree, plan, read. Returns
     (layout or None, targets, structure, report)."""
     t0 = time.perf_counter()
@@ -766,7 +765,7 @@ def load_checkpoint(
         meta.update(structure.shard_metadata(dp.rank, dp.size))
         return wants
 
-    layout, _, _, report = _engine(path, dp, mp, opts, flat, shard_metadata, make_wants, "load_state_dict")
+    layout, _, _, report = _engine(path, dp, mp, opts, flat, shard_metadata, make_wants)
     if flat:
         out.shard_metadata = meta  # like torch's state_dict._metadata: travels with the dict
     return LoadedCheckpoint(out, meta if flat else None, layout, report)
@@ -1008,12 +1007,9 @@ def load_into(
                 wants.append(Want(n, 0, tmp))
         return wants
 
-    _, _, _, report = _engine(path, dp, mp, opts, False, None, make_wants, "load_into")
+    _, _, _, report = _engine(path, dp, mp, opts, False, None, make_wants)
     with torch.no_grad():
         for fn in post:
             fn()
     return report
 
-
-def report_dict(report: LoadReport) -> dict:
-    return asdict(report)

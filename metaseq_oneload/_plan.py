@@ -26,7 +26,6 @@ exactly the bytes it reads, from whichever files hold them.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -508,7 +507,3 @@ def flat_shard_range(total: int, rank: int, world: int) -> tuple:
     hi = min(total, lo + size)
     return lo, hi, size
 
-
-def describe_source(layout: CheckpointLayout) -> str:
-    flat = "flat" if layout.flat else "unflattened"
-    return f"{layout.model_parallel_size}x{layout.shards_per_part} {flat} ({os.path.basename(layout.prefix)})"

@@ -31,7 +31,7 @@ import threading
 import typing
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -348,5 +348,3 @@ def key_path(*parts: str) -> str:
     """Join the keys that lead to a tensor inside a checkpoint's pickle (see Extent.key)."""
     return "\x00".join(parts)
 
-
-Progress = Callable[[int], None]

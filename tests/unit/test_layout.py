@@ -88,3 +88,21 @@ def test_real_symlinks_resolve_to_one_set(tmp_path):
         layout = mo.inspect(entry)
         assert layout.model_parallel_size == 2 and len(layout.all_files) == 2
         assert all(f.path.startswith(str(FIXTURES)) for f in layout.all_files)
+
+
+def test_fairseq_part_files_with_fsdp_metadata(tmp_path):
+    """X_part{k}.pt (fairseq checkpoint_shard_count > 1) holding FSDP shards whose metadata
+    fairseq stores under ``fsdp_metadata``."""
+    import torch
+
+    from tests.conftest import assert_matches_reference, raw_load, reference_weights
+
+    for d in range(3):
+        state = raw_load(FIXTURES / "fsdp_dp3" / f"checkpoint_2-model_part-0-shard{d}.pt")
+        state["fsdp_metadata"] = state.pop("shard_metadata")
+        torch.save(state, tmp_path / f"checkpoint_2_part{d}.pt")
+    for entry in (tmp_path, tmp_path / "checkpoint_2_part1.pt", tmp_path / "checkpoint_2.pt"):
+        layout = mo.inspect(entry)
+        assert (layout.kind, layout.shards_per_part, layout.metadata_key) == ("fsdp_sharded", 3, "fsdp_metadata")
+    assert any("checkpoint.checkpoint_shard_count=1" in w and "3 _part file(s)" in w for w in layout.warnings)
+    assert_matches_reference(mo.load_state_dict(tmp_path), reference_weights())
