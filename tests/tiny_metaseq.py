@@ -31,4 +31,4 @@ class TinyMetaseqLM(nn.Module):
         self.decoder.layer_norm = nn.LayerNorm(dim)
         self.decoder.output_projection = nn.Linear(dim, vocab // mp, bias=False)
         self.decoder.output_projection.weight = self.decoder.embed_tokens.weight
-        self.decoder.register_buffer("version", torch.Tensor([3]))
+        self.decoder.register_buffer("version", torch.tensor([3.0]))
