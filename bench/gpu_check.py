@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import metaseq_oneload as oneload  # noqa: E402
-from tests.conftest import FIXTURES, assert_matches_reference, reference_part, reference_weights  # noqa: E402
+from tests.conftest import FIXTURES, assert_matches_reference, reference_weights  # noqa: E402
 from tests.tiny_metaseq import TinyMetaseqLM  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.synth import build_model, scaled, write_flat_shards  # noqa: E402
+from bench._synth import metaseq_lm, model_shape, write_metaseq  # noqa: E402
 
 _PROBE = (
     "import time, metaseq_oneload as o; t = time.perf_counter(); lay = o.inspect({path!r}); "
@@ -46,10 +46,11 @@ def main(argv=None) -> int:
     try:
         rows = []
         for label, gib in (("small", 0.002), ("big", args.big_gib)):
-            dims = scaled(gib)
+            shape = model_shape(gib, dim=64 if gib < 0.01 else 2048)
             prefix = os.path.join(tmp, label, "checkpoint_1")
             os.makedirs(os.path.dirname(prefix))
-            write_flat_shards(build_model(**dims), prefix, 4, dims)
+            full = metaseq_lm(shape["layers"], shape["dim"], shape["ffn"], shape["vocab"], shape["positions"])
+            write_metaseq(prefix, full, shards=4)
             median, size, params = _time(os.path.join(tmp, label), args.repeat)
             rows.append((label, size, params, median))
         print(f"{'set':6s}  {'bytes on disk':>15s}  {'params':>13s}  {'inspect (median of %d)' % args.repeat:>24s}" % ())

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.synth import build_model, scaled, write_flat_shards, write_singleton  # noqa: E402
+from bench._synth import metaseq_lm, model_shape, write_metaseq  # noqa: E402
 
 
 def _status(field: str) -> int:
@@ -146,18 +146,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    dims = scaled(args.gib)
+    shape = model_shape(args.gib)
+    # The module the FSDP2 runs load into: TinyMetaseqLM's table has metaseq's 2 extra rows.
+    dims = dict(dim=shape["dim"], ffn=shape["ffn"], vocab=shape["vocab"], layers=shape["layers"],
+                positions=shape["positions"] + 2)
     tmp = args.keep or tempfile.mkdtemp(prefix="oneload-bench-")
     os.makedirs(tmp, exist_ok=True)
     try:
-        model = build_model(**dims)
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        full = metaseq_lm(shape["layers"], shape["dim"], shape["ffn"], shape["vocab"], shape["positions"])
+        model_bytes = sum(t.numel * 4 for t in full.values())
         single = os.path.join(tmp, "synth.pt")
         if not os.path.exists(single):
-            write_singleton(model, single, dims)
-            write_flat_shards(model, os.path.join(tmp, "synth4"), 4, dims)
-        del model
-        gc.collect()
+            write_metaseq(os.path.join(tmp, "synth"), full)
+            write_metaseq(os.path.join(tmp, "synth4"), full, shards=4)
         shards = os.path.join(tmp, "synth4-model_part-0-shard0.pt")
         plan = [
             ("ours, flat=True", "ours-flat:auto", shards, 4),
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"model_bytes": model_bytes, "bucket_mb": args.bucket_mb, "rows": rows}, indent=2))
         return 0
-    print(f"model: {model_bytes / 2**30:.2f} GiB fp32 ({model_bytes // 4:,} params), bucket {args.bucket_mb:g} MiB, "
+    print(f"model: {model_bytes / 2**30:.2f} GiB fp32 ({model_bytes // 4:,} params, {shape['layers']} layers of width "
+          f"{shape['dim']}), bucket {args.bucket_mb:g} MiB, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     header = ["run", "source", "W", "strategy", "peak above baseline per rank (MiB)", "sum / model", "wall s"]
     body = [[r["run"], r["source"], r["world"], r["strategy"], " ".join(map(str, r["per_rank_mib"])),

@@ -30,6 +30,14 @@ class StateDictMismatchError(OneloadError):
     unexpected or wrongly shaped tensors. Raised before any weight is written."""
 
 
+class ConversionError(OneloadError):
+    """A conversion cannot proceed as asked (bad target, unsafe destination, incomplete write)."""
+
+
+class OutputExistsError(ConversionError, FileExistsError):
+    """A destination file exists and ``overwrite`` was not given, or it is a source file."""
+
+
 class DistributedLoadError(OneloadError):
     """Raised on every rank when any rank of a collective load failed.
 

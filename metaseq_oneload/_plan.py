@@ -77,9 +77,12 @@ def _split_qkv_name(name: str) -> Optional[tuple]:
 
 
 def place(name: str, shape: Sequence[int], part: int, nparts: int,
-          rules: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
+          rules: Optional[Mapping[str, str]] = None, fuse_split_qkv: bool = True) -> Optional[Placement]:
     """The placement of part ``part`` of ``nparts`` of tensor ``name``, or None for a
-    tensor without a known model-parallel rule (it can only be loaded at the same size)."""
+    tensor without a known model-parallel rule (it can only be loaded at the same size).
+
+    ``fuse_split_qkv=False`` leaves split ``k_proj``/``v_proj``/``q_proj`` as they are:
+    their rows need not match (grouped-query attention), which fusing assumes."""
     shape = tuple(int(s) for s in shape)
     rule = None
     for suffix, r in (rules or {}).items():
@@ -88,7 +91,7 @@ def place(name: str, shape: Sequence[int], part: int, nparts: int,
     if rule is None:
         if name.endswith(_QKV_FUSED):
             rule = "qkv"
-        elif _split_qkv_name(name):
+        elif fuse_split_qkv and _split_qkv_name(name):
             rule = "qkv_split"
         elif name.endswith(_COLUMN):
             rule = "column"
@@ -130,7 +133,7 @@ def _target_placement(canonical: str, global_shape: tuple, part: int, nparts: in
                       rules: Optional[Mapping[str, str]] = None) -> Placement:
     """The placement of target part ``part`` of ``nparts`` of a canonical tensor."""
     split = _split_qkv_name(name)
-    if split is not None:
+    if split is not None and canonical != name:  # a projection cut out of a fused qkv_proj
         e = global_shape[0] // 3
         if e % nparts:
             raise CheckpointLayoutError(
@@ -138,7 +141,8 @@ def _target_placement(canonical: str, global_shape: tuple, part: int, nparts: in
             )
         n = e // nparts
         return Placement(canonical, 0, ((0, split[1] * e + part * n, n),), global_shape)
-    probe = place(name, _local_shape_guess(name, global_shape, nparts, rules), part, nparts, rules)
+    probe = place(name, _local_shape_guess(name, global_shape, nparts, rules), part, nparts, rules,
+                  fuse_split_qkv=False)
     assert probe is not None
     if probe.global_shape != tuple(global_shape):
         raise CheckpointLayoutError(
@@ -149,7 +153,7 @@ def _target_placement(canonical: str, global_shape: tuple, part: int, nparts: in
 
 
 def _local_shape_guess(name: str, global_shape: tuple, nparts: int, rules: Optional[Mapping[str, str]]) -> tuple:
-    p = place(name, global_shape, 0, 1, rules)
+    p = place(name, global_shape, 0, 1, rules, fuse_split_qkv=False)
     if p is None or p.dim is None:
         return tuple(global_shape)
     shape = list(global_shape)
@@ -261,7 +265,7 @@ def _qkv_style(layout: CheckpointLayout, qkv: str) -> str:
     return qkv
 
 
-def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]]) -> tuple:
+def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]], fuse_split_qkv: bool) -> tuple:
     """canonical name -> (global shape, [(stored tensor, placement)], stored names) and
     the names without a rule, per part."""
     table: dict = {}
@@ -269,7 +273,7 @@ def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]
     m = layout.model_parallel_size
     for part in layout.parts:
         for t in part.tensors.values():
-            p = place(t.name, t.shape, part.index, m, rules)
+            p = place(t.name, t.shape, part.index, m, rules, fuse_split_qkv)
             if p is None:
                 unknown.setdefault(t.name, []).append(t)
                 continue
@@ -289,7 +293,7 @@ def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]
 
 def canonical_numels(layout: CheckpointLayout) -> int:
     """Parameter elements of the full model (see :attr:`CheckpointLayout.num_params`)."""
-    table, unknown = _canonical_table(layout, None)
+    table, unknown = _canonical_table(layout, None, fuse_split_qkv=layout.model_parallel_size > 1)
     buffers = set(layout.parts[0].buffer_names)
     aliases = {dst for p in layout.parts for _, dst in p.shared}
     if layout.model_args().get("share_decoder_input_output_embed"):
@@ -319,7 +323,9 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
         raise ValueError(f"target_part={target_part} is outside 0..{target_parts - 1}")
     style = _qkv_style(layout, qkv)
     saved = layout.model_parallel_size
-    table, unknown = _canonical_table(layout, rules)
+    # Split k/v/q stay as stored unless asked to fuse, or the model-parallel size changes.
+    fuse_split = style == "fused" or saved != target_parts
+    table, unknown = _canonical_table(layout, rules, fuse_split)
     if unknown and saved != target_parts:
         names = sorted(unknown)[:5]
         raise CheckpointLayoutError(
@@ -337,7 +343,7 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
             out[stored_name] = TargetTensor(stored_name, src.shape, dtype or src.dtype,
                                             (FlatCopy(src, 0, 0, src.numel),))
             continue
-        p = place(stored_name, stored.shape, order_part.index, saved, rules)
+        p = place(stored_name, stored.shape, order_part.index, saved, rules, fuse_split)
         canonical = p.canonical
         if canonical in done:
             continue

@@ -163,4 +163,8 @@ def _load_commands() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m metaseq_oneload.cli`` runs this file as __main__, a second copy of the
+    # module: delegate to the package's, whose registry the other modules' commands fill.
+    from metaseq_oneload.cli import main as _main
+
+    sys.exit(_main())

@@ -36,10 +36,10 @@ def test_json(capsys):
 
 
 def test_error_exit_code_and_no_traceback(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "metaseq_oneload.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "metaseq_oneload", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.startswith("metaseq-oneload inspect: error: ") and "holds no *.pt files" in r.stderr
     assert "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "metaseq_oneload.cli", "inspect", str(tmp_path), "--debug"],
+    r = subprocess.run([sys.executable, "-m", "metaseq_oneload", "inspect", str(tmp_path), "--debug"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" in r.stderr

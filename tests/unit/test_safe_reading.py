@@ -42,7 +42,7 @@ def test_code_in_the_pickle_is_refused_and_never_runs(tmp_path):
 
 def test_cli_refuses_without_traceback(tmp_path):
     path, marker = evil_checkpoint(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "metaseq_oneload.cli", "inspect", str(path)],
+    r = subprocess.run([sys.executable, "-m", "metaseq_oneload", "inspect", str(path)],
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "refused to unpickle" in r.stderr and "--trust-pickle" in r.stderr

@@ -1,0 +1,967 @@
+"""Offline conversion: any checkpoint layout to any other, on disk, in bounded memory.
+
+Three verbs, and their subcommands (registered into :mod:`.cli` on import):
+
+``convert(src, dst_prefix, model_parallel=M, shards=N)``
+    Rewrites a checkpoint as M model-parallel parts x N FSDP shards, with metaseq's file
+    names, a ``cfg`` that tells the truth about the new layout and, for flat shards, the
+    ``shard_metadata`` fairscale writes (zero padding at the tail). The optimizer state
+    (Adam's ``exp_avg``/``exp_avg_sq`` ...) is resharded exactly like the weights when its
+    shapes allow, or dropped with a note.
+``consolidate(src, dst)``
+    The same, into one unflattened file (M = N = 1).
+``verify(a, b)``
+    Compares two checkpoints of any layouts tensor by tensor, streaming both (:mod:`._verify`).
+
+The optimizer state is mapped onto the parameters in :mod:`._optim`, bytes are written in
+:mod:`._writing`; this module decides what each output file holds. Nothing holds the model: each output storage is produced chunk by chunk (``_loading._fill``
+reads exactly the byte ranges a chunk needs from whichever source files hold them) and
+written in place into a file that ``torch.save`` laid out with holes (:mod:`._writing`). Peak
+memory is about ``3 x chunk`` per parallel job, whatever the model size. Outputs appear
+under their final names only when all of them are complete.
+
+File names (``P`` the destination prefix)::
+
+    flat (FSDP shards, any M x N)      P-model_part-{m}-shard{d}.pt   what metaseq writes and loads
+    unflattened, M > 1                 P-model_part-{m}.pt           metaseq's model-parallel parts
+    unflattened, 1 x 1                 P.pt                          a consolidated checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import dataclasses
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from ._errors import OneloadError, StateDictMismatchError
+from ._layout import CheckpointLayout, FileName, discover
+from ._loading import _fill
+from ._optim import OptimizerPlan, plan_optimizer, state_of
+from ._plan import FlatGroup, FlatStructure, TargetTensor, flat_shard_range, plan_part
+from ._reading import RangeReader, _file_kind, load_object, read_header
+from ._verify import TensorDiff, VerifyReport, verify
+from ._writing import (Cancelled, ConversionError, OutputExistsError, OutputSet, Piece, Record, progress_bar,
+                       storage_key, write_json, write_safetensors, write_torch)
+
+__all__ = [
+    "ConvertReport",
+    "TensorDiff",
+    "VerifyReport",
+    "convert",
+    "consolidate",
+    "verify",
+    "output_paths",
+    "ConversionError",
+    "OutputExistsError",
+]
+
+FORMATS = ("torch", "safetensors")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+_SIDECAR_FORMAT = "metaseq-oneload/safetensors-sidecar/1"
+_MiB = 1 << 20
+# One job holds its write buffer, the reader's dtype staging and a row block of a
+# row-parallel weight: three chunks at most.
+_CHUNKS_PER_JOB = 3
+
+
+# --------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What :func:`convert` wrote, for logs, the CLI table and ``--json``."""
+
+    src: str
+    source: str  # e.g. "1x3 flat"
+    dst_prefix: str
+    model_parallel: int
+    shards: int
+    flat: bool
+    format: str
+    files: tuple  # final paths, [part][shard] flattened in that order
+    sidecars: tuple  # the JSON metadata next to each safetensors file
+    optimizer: str  # "carried", "dropped" or "absent"
+    bytes_written: int
+    bytes_read: int
+    tensors: int
+    seconds: float
+    jobs: int
+    chunk_bytes: int
+    notes: tuple = field(default=())
+    removed: tuple = field(default=())  # stale temporary files and replaced files of an older set
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- names
+
+
+def output_paths(dst_prefix: str, model_parallel: int, shards: int, flat: bool, format: str = "torch") -> list:
+    """The files a conversion writes, ``[part][shard]`` (see the module docstring)."""
+    ext = ".pt" if format == "torch" else ".safetensors"
+    if flat:
+        return [[f"{dst_prefix}-model_part-{m}-shard{d}{ext}" for d in range(shards)] for m in range(model_parallel)]
+    if shards != 1:
+        raise ValueError(f"unflattened outputs hold one file per model part, not {shards} shards.")
+    if model_parallel == 1:
+        return [[f"{dst_prefix}{ext}"]]
+    return [[f"{dst_prefix}-model_part-{m}{ext}"] for m in range(model_parallel)]
+
+
+def _sidecar(path: str) -> str:
+    return path[: -len(".safetensors")] + ".json"
+
+
+def _checkpoint_suffix(model_parallel: int, shards: int, flat: bool, part: int) -> str:
+    return "" if (not flat and model_parallel == 1) else f"-model_part-{part}"
+
+
+def _resolve_dst(dst_prefix: "str | os.PathLike", layout: CheckpointLayout) -> str:
+    p = os.fspath(dst_prefix)
+    if p.endswith(os.sep) or os.path.isdir(p):
+        p = os.path.join(p, os.path.basename(layout.prefix))
+    for ext in (".pt", ".safetensors"):
+        if p.endswith(ext):
+            p = p[: -len(ext)]
+    if not os.path.basename(p):
+        raise ValueError(f"{dst_prefix!r}: expected a destination prefix such as /out/checkpoint_last.")
+    return os.path.abspath(p)
+
+
+def _older_members(prefix: str, finals: Sequence[str]) -> list:
+    """Files of an earlier checkpoint under the same prefix that the new set does not
+    overwrite (another layout): left in place they would mix with the new files."""
+    directory, base = os.path.split(prefix)
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        stem = n
+        for ext in (".safetensors", ".json"):
+            if n.endswith(ext):
+                stem = n[: -len(ext)] + ".pt"
+        parsed = FileName.parse(stem)
+        full = os.path.join(directory, n)
+        if parsed is not None and parsed.prefix == base and full not in finals and not os.path.isdir(full):
+            out.append(full)
+    return out
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def _metaseq_wrapping(targets: Mapping[str, TargetTensor], buffers: set) -> FlatStructure:
+    """metaseq's FSDP wrapping for an unflattened source: every ``*.layers.{i}`` module is
+    its own FSDP instance, the rest (embeddings, final layer norm) is the root's flat param;
+    a tied weight is recorded in the ``shared_param_info`` of the instance holding its source."""
+    root: list = []
+    nested: "OrderedDict[str, list]" = OrderedDict()
+    shared: dict = {}
+    for n, t in targets.items():
+        if t.alias_of is not None:
+            m = _LAYER.match(t.alias_of)
+            shared.setdefault(m.group(1) if m else "", []).append((t.alias_of, n))
+            continue
+        if n in buffers:
+            continue
+        m = _LAYER.match(n)
+        (nested.setdefault(m.group(1), []) if m else root).append(n)
+    groups = []
+    if root:
+        groups.append(FlatGroup("", "flat_param_0", tuple(root), tuple(targets[n].shape for n in root),
+                                tuple(shared.get("", ()))))
+    for path, names in nested.items():
+        groups.append(FlatGroup(path, "flat_param_0", tuple(names), tuple(targets[n].shape for n in names),
+                                tuple(shared.get(path, ()))))
+    return FlatStructure(tuple(groups), tuple(n for n in targets if n in buffers))
+
+
+def _wrapping_metadata(wrapping: Any, trust_pickle: bool) -> Optional[Mapping]:
+    if wrapping is None or isinstance(wrapping, Mapping):
+        return wrapping
+    header = read_header(os.fspath(wrapping), trust_pickle=trust_pickle)
+    md = header.get("shard_metadata") if isinstance(header, Mapping) else None
+    if not isinstance(md, Mapping) or "param_metadata" not in md:
+        raise ConversionError(
+            f"{wrapping}: holds no shard_metadata; expected a flat FSDP shard whose wrapping the output "
+            "should follow (any shard of a metaseq checkpoint written with use_sharded_state)."
+        )
+    return md
+
+
+# --------------------------------------------------------------------------- cfg
+
+
+def _put(container: Any, key: str, value: Any, *, add: bool) -> None:
+    if container is None:
+        return
+    if isinstance(container, argparse.Namespace):
+        if hasattr(container, key):
+            setattr(container, key, value)
+        return
+    try:
+        from omegaconf import DictConfig, open_dict
+
+        if isinstance(container, DictConfig):
+            if add or key in container:
+                with open_dict(container):
+                    container[key] = value
+            return
+    except ImportError:
+        pass
+    if isinstance(container, dict) and (add or key in container):
+        container[key] = value
+
+
+def _section(cfg: Any, name: str) -> Any:
+    if isinstance(cfg, argparse.Namespace):
+        return getattr(cfg, name, None)
+    try:
+        return cfg.get(name) if cfg is not None else None
+    except Exception:
+        return None
+
+
+def _truthful(obj: dict, *, model_parallel: int, shards: int, flat: bool, part: int, shard: int) -> None:
+    """Update, in place, what a checkpoint's ``cfg`` (and old ``args``) says about its layout."""
+    world = model_parallel * shards
+    for cfg in (obj.get("cfg"), ):
+        if cfg is None:
+            continue
+        common, ckpt, dist = _section(cfg, "common"), _section(cfg, "checkpoint"), _section(cfg, "distributed_training")
+        _put(common, "model_parallel_size", model_parallel, add=True)
+        _put(ckpt, "model_parallel_size", model_parallel, add=False)
+        _put(ckpt, "checkpoint_shard_count", 1, add=True)
+        _put(ckpt, "checkpoint_suffix", _checkpoint_suffix(model_parallel, shards, flat, part), add=False)
+        _put(dist, "use_sharded_state", flat, add=True)
+        _put(dist, "distributed_world_size", world, add=True)
+        _put(dist, "distributed_rank", shard * model_parallel + part, add=False)
+        if flat:
+            _put(dist, "ddp_backend", "fully_sharded", add=True)
+    for ns in (_section(obj.get("cfg"), "model"), obj.get("args")):
+        _put(ns, "model_parallel_size", model_parallel, add=False)
+        _put(ns, "use_sharded_state", flat, add=False)
+        _put(ns, "checkpoint_shard_count", 1, add=False)
+        if flat:
+            _put(ns, "ddp_backend", "fully_sharded", add=False)
+    # metaseq's cfg.model keeps distributed_world_size=1 whatever the world (it is not read
+    # from there); old fairseq ``args`` is the only place it lives.
+    _put(obj.get("args"), "distributed_world_size", world, add=False)
+
+
+def _jsonable(x: Any) -> Any:
+    """cfg, meters and metadata as plain JSON (Namespace and DictConfig become objects)."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(x, (DictConfig, ListConfig)):
+            return _jsonable(OmegaConf.to_container(x, resolve=False))
+    except ImportError:
+        pass
+    if isinstance(x, argparse.Namespace):
+        return _jsonable(vars(x))
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in x]
+    if torch.is_tensor(x):
+        return _jsonable(x.tolist()) if x.numel() <= 4096 else {"tensor": list(x.shape), "dtype": str(x.dtype)}
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if hasattr(x, "tolist"):  # numpy scalars and arrays
+        return _jsonable(x.tolist())
+    if hasattr(x, "value") and hasattr(x, "name"):  # enums
+        return _jsonable(x.value)
+    return repr(x)
+
+
+# --------------------------------------------------------------------------- the conversion
+
+
+@dataclass(frozen=True)
+class _Output:
+    part: int
+    shard: int
+    path: str
+    sidecar: Optional[str]
+
+
+def _flat_pieces(g: FlatGroup, targets: Mapping[str, TargetTensor], shard: int, shards: int,
+                 dtype: torch.dtype) -> tuple:
+    """The pieces of rank ``shard``'s flat shard of ``g``: members, then zero padding."""
+    lo, hi, size = flat_shard_range(g.total_numel, shard, shards)
+    pieces, offset = [], 0
+    for n, numel in zip(g.names, g.numels):
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a < b:
+            pieces.append(Piece(targets[n], a - offset, b - a, dtype))
+        offset += numel
+    if size > hi - lo:
+        pieces.append(Piece(None, 0, size - (hi - lo), dtype))
+    return tuple(pieces), size
+
+
+class _Conversion:
+    """(local) Everything decided before the first byte is written, and the writer of one
+    output file (called from worker threads, one file each)."""
+
+    def __init__(self, layout: CheckpointLayout, *, model_parallel: int, shards: int, flat: bool, fmt: str,
+                 drop_optimizer: bool, dtype: Optional[torch.dtype], qkv: str, wrapping: Optional[Mapping],
+                 trust_pickle: bool):
+        self.layout = layout
+        self.M, self.N, self.flat, self.fmt = model_parallel, shards, flat, fmt
+        self.trust_pickle = trust_pickle
+        self.notes: list = []
+        self._lock = threading.Lock()
+        self._objects: dict = {}
+        self.targets = [plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype) for m in range(model_parallel)]
+        buffers = set(layout.parts[0].buffer_names)
+        self.structures: list = []
+        if flat:
+            for t in self.targets:
+                if wrapping is not None:
+                    s = FlatStructure.from_metadata(wrapping)
+                    s.check_against(t)
+                elif layout.flat:
+                    s = FlatStructure.from_layout(layout, t)
+                else:
+                    s = _metaseq_wrapping(t, buffers)
+                for g in s.groups:
+                    dts = {t[n].dtype for n in g.names}
+                    if len(dts) > 1:
+                        raise StateDictMismatchError(f"{g.key}: members have mixed dtypes {sorted(map(str, dts))}; "
+                                                     "a flat parameter holds one dtype. Pass dtype= to cast.")
+                self.structures.append(s)
+            if wrapping is None and not layout.flat:
+                self.notes.append("flat parameters follow metaseq's FSDP wrapping (each *.layers.N its own "
+                                  "instance, the rest in the root's flat_param_0); pass wrapping= (CLI --wrapping "
+                                  "SHARD.pt) to follow another model's")
+        # Optimizer state.
+        self.optimizer: Optional[OptimizerPlan] = None
+        self.params: list = []
+        has_state = any(state_of(read_header(f.path)) is not None for f in layout.all_files)
+        if not has_state:
+            self.optimizer_status = "absent"
+        elif drop_optimizer:
+            self.optimizer_status = "dropped"
+            self.notes.append("optimizer state dropped (drop_optimizer); resume with --reset-optimizer")
+        elif fmt == "safetensors":
+            self.optimizer_status = "dropped"
+            self.notes.append("optimizer state dropped: the safetensors output holds weights and metadata; "
+                              "use format='torch' to keep it")
+        elif layout.flat and not flat:
+            self.optimizer_status = "dropped"
+            self.notes.append("optimizer state dropped: flat FSDP optimizer state cannot be mapped onto "
+                              "unflattened parameters (the flat shards do not record the module's parameter "
+                              "order); keep the output flat (--flat) to carry it")
+        else:
+            if flat:
+                params = [[n for g in s.groups for n in g.names] for s in self.structures]
+            else:
+                params = [[n for n, t in tg.items() if t.alias_of is None and n not in buffers] for tg in self.targets]
+            self.params = params
+            self.optimizer, reason = plan_optimizer(layout, model_parallel, qkv, params, self.targets)
+            if self.optimizer is None:
+                self.optimizer_status = "dropped"
+                self.notes.append(f"optimizer state dropped: {reason}")
+            else:
+                self.optimizer_status = "carried"
+                self.notes.append(f"optimizer state carried ({', '.join(map(str, sorted(self.optimizer.aligned, key=str)))} "
+                                  "resharded exactly like the weights)")
+
+    # -- which source file supplies cfg, meters and the rest
+    def _extras_source(self, m: int, d: int) -> str:
+        L = self.layout
+        ms = m if L.model_parallel_size == self.M else 0
+        ds = d if L.shards_per_part == self.N else 0
+        return L.files[ms][ds].path
+
+    def _source_object(self, path: str) -> Any:
+        """The source file's object, memory-mapped (tensor pages are read only if touched),
+        loaded once for all outputs that take their cfg and meters from it. Shared between
+        threads read-only: what an output changes (cfg) is copied first."""
+        if _file_kind(path) == "legacy":
+            # Cannot be memory-mapped: read whole each time rather than kept for the run.
+            return load_object(path, trust_pickle=self.trust_pickle, mmap=False)
+        with self._lock:
+            obj = self._objects.get(path)
+            if obj is None:
+                obj = self._objects[path] = load_object(path, trust_pickle=self.trust_pickle, mmap=True)
+            return obj
+
+    def _model(self, m: int, d: int) -> tuple:
+        """(model dict of placeholders, records, safetensors entries, tied aliases)."""
+        targets = self.targets[m]
+        model: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        records: dict = {}
+        entries: list = []
+        tied = {}
+
+        def add(name, shape, dtype, rec):
+            t = torch.empty(shape, dtype=dtype)
+            model[name] = t
+            records[storage_key(t)] = rec
+            entries.append((name, tuple(shape), dtype, rec))
+
+        if not self.flat:
+            for n, t in targets.items():
+                if t.alias_of is None:
+                    add(n, t.shape, t.dtype, Record((Piece(t, 0, t.numel, t.dtype),)))
+            for n, t in targets.items():
+                if t.alias_of is not None:
+                    tied[n] = t.alias_of
+            out = OrderedDict((n, model[n] if n in model else model[targets[n].alias_of]) for n in targets)
+            return out, records, entries, tied
+        s = self.structures[m]
+        covered = {n for g in s.groups for n in g.names}
+        items = []
+        for g in s.groups:
+            dtype = targets[g.names[0]].dtype if g.names else torch.float32
+            pieces, size = _flat_pieces(g, targets, d, self.N, dtype)
+            items.append((g.key, (size,), dtype, Record(pieces)))
+        for n, t in targets.items():
+            if n in covered or t.alias_of is not None:
+                continue
+            items.append((n, t.shape, t.dtype, Record((Piece(t, 0, t.numel, t.dtype),))))
+        for g in s.groups:
+            for a, b in g.shared:
+                tied[b] = a
+        order = self._flat_order([i[0] for i in items], s)
+        by_name = {i[0]: i for i in items}
+        for name in order:
+            add(*by_name[name])
+        return model, records, entries, tied
+
+    def _flat_order(self, names: Sequence[str], s: FlatStructure) -> list:
+        """The source's key order where it has the same keys (fairscale's local_state_dict
+        order: root flat params, root buffers, nested instances), else that order rebuilt."""
+        L = self.layout
+        if L.flat:
+            header = read_header(L.files[0][0].path)
+            src = list(header["model"] if isinstance(header.get("model"), Mapping) else header)
+            rank = {n: i for i, n in enumerate(src)}
+            known = [n for n in names if n in rank]
+            if len(known) == len(names):
+                return sorted(names, key=lambda n: rank[n])
+        roots = [g.key for g in s.groups if not g.fsdp_path]
+        rest = [n for n in names if n not in roots and n not in {g.key for g in s.groups}]
+        return roots + rest + [g.key for g in s.groups if g.fsdp_path]
+
+    def _optimizer_state(self, m: int, d: int, src_state: Mapping, records: dict) -> dict:
+        """Output (m, d)'s ``last_optimizer_state``: placeholders laid out like its parameters,
+        ``step`` and ``param_groups`` (re-indexed) copied, other keys (loss scale) kept."""
+        opt = self.optimizer
+        planned = opt.targets[m]
+        real_entry0 = src_state.get("state", {}).get(0, {}) if isinstance(src_state.get("state"), Mapping) else {}
+        state: dict = {}
+
+        def entry(make_tensor):
+            e = {}
+            for k in opt.keys:
+                if k in opt.aligned:
+                    e[k] = make_tensor(k)
+                elif torch.is_tensor(opt.scalars.get(k)):
+                    v = real_entry0.get(k)
+                    e[k] = v.clone() if torch.is_tensor(v) else v
+                else:
+                    e[k] = copy.deepcopy(opt.scalars[k])
+            return e
+
+        if self.flat:
+            for i, g in enumerate(self.structures[m].groups):
+                def make(k, g=g):
+                    pieces, size = _flat_pieces(g, planned[k], d, self.N, opt.dtypes[k])
+                    t = torch.empty(size, dtype=opt.dtypes[k])
+                    records[storage_key(t)] = Record(pieces)
+                    return t
+                state[i] = entry(make)
+        else:
+            for i, n in enumerate(self.params[m]):
+                def make(k, n=n):
+                    tt = planned[k][n]
+                    t = torch.empty(tt.shape, dtype=tt.dtype)
+                    records[storage_key(t)] = Record((Piece(tt, 0, tt.numel, tt.dtype),))
+                    return t
+                state[i] = entry(make)
+        groups = copy.deepcopy(list(opt.param_groups))
+        groups[0]["params"] = list(range(len(state)))
+        out = {}
+        for k, v in src_state.items():
+            if k == "state":
+                out[k] = state
+            elif k == "param_groups":
+                out[k] = groups
+            else:
+                out[k] = v
+        return out
+
+    def build(self, m: int, d: int) -> tuple:
+        """(object to save, records, safetensors entries, tied aliases) of output (m, d)."""
+        src = self._source_object(self._extras_source(m, d))
+        model, records, entries, tied = self._model(m, d)
+        meta = self.structures[m].shard_metadata(d, self.N) if self.flat else None
+        if not isinstance(src, Mapping) or not isinstance(src.get("model"), Mapping):
+            obj = {"model": model, "shard_metadata": meta} if self.flat else model  # a bare state dict stays bare
+            return obj, records, entries, tied, meta
+        obj: dict = {}
+        for k, v in src.items():
+            if k == "model":
+                obj[k] = model
+            elif k in ("shard_metadata", "fsdp_metadata"):
+                continue
+            elif k == "last_optimizer_state":
+                if self.optimizer is not None and isinstance(v, Mapping):
+                    obj[k] = self._optimizer_state(m, d, v, records)
+            elif k in ("cfg", "args"):
+                obj[k] = copy.deepcopy(v)  # updated below; the source object is shared
+            else:
+                obj[k] = v
+        if self.flat:
+            obj["shard_metadata"] = meta
+        _truthful(obj, model_parallel=self.M, shards=self.N, flat=self.flat, part=m, shard=d)
+        return obj, records, entries, tied, meta
+
+    def sidecar(self, m: int, d: int, obj: Any, tied: Mapping, path: str) -> dict:
+        """The JSON written next to a safetensors file: which file, ties, and every other key."""
+        rest = {k: v for k, v in obj.items() if k not in ("model", "last_optimizer_state")} if (
+            isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping)) else {}
+        return {
+            "format": _SIDECAR_FORMAT,
+            "weights": os.path.basename(path),
+            "model_part": m,
+            "shard": d,
+            "model_parallel_size": self.M,
+            "shards": self.N,
+            "flat": self.flat,
+            "tied": dict(tied),
+            **{k: _jsonable(v) for k, v in rest.items()},
+        }
+
+    def total_bytes(self) -> int:
+        """Tensor bytes all outputs will hold (the progress bar's total, the disk check)."""
+        total = 0
+        for m, t in enumerate(self.targets):
+            if self.flat:
+                for g in self.structures[m].groups:
+                    if not g.names:
+                        continue
+                    item = torch.empty((), dtype=t[g.names[0]].dtype).element_size()
+                    total += flat_shard_range(g.total_numel, 0, self.N)[2] * item * self.N
+                covered = {n for g in self.structures[m].groups for n in g.names}
+                total += sum(x.nbytes for n, x in t.items() if n not in covered and x.alias_of is None) * self.N
+            else:
+                total += sum(x.nbytes for x in t.values() if x.alias_of is None)
+            if self.optimizer is not None:
+                for k, planned in self.optimizer.targets[m].items():
+                    item = torch.empty((), dtype=self.optimizer.dtypes[k]).element_size()
+                    if self.flat:
+                        total += sum(flat_shard_range(g.total_numel, 0, self.N)[2]
+                                     for g in self.structures[m].groups) * item * self.N
+                    else:
+                        total += sum(planned[n].numel for n in self.params[m]) * item
+        return total
+
+    def total_tensors(self) -> int:
+        """Storages all outputs will hold (the progress bar's tensor count)."""
+        n = 0
+        for m, t in enumerate(self.targets):
+            if self.flat:
+                covered = {x for g in self.structures[m].groups for x in g.names}
+                per = len(self.structures[m].groups) + sum(1 for k, x in t.items() if k not in covered and x.alias_of is None)
+                n += per * self.N
+                if self.optimizer is not None:
+                    n += len(self.optimizer.aligned) * len(self.structures[m].groups) * self.N
+            else:
+                n += sum(1 for x in t.values() if x.alias_of is None)
+                if self.optimizer is not None:
+                    n += len(self.optimizer.aligned) * len(self.params[m])
+        return n
+
+    def write(self, out: _Output, outputs: OutputSet, chunk_bytes: int, progress, cancel) -> tuple:
+        """(local, one worker thread) Write output ``out`` under its temporary name.
+        Returns (bytes written, bytes read)."""
+        if cancel.is_set():
+            raise Cancelled()
+        with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=self.trust_pickle) as reader:
+            def fill(target, buf, start):
+                _fill(target, buf, start, reader)
+
+            obj, records, entries, tied, meta = self.build(out.part, out.shard)
+            tmp = outputs.temp(out.path)
+            try:
+                if self.fmt == "torch":
+                    n = write_torch(tmp, obj, records, fill, chunk_bytes=chunk_bytes, progress=progress,
+                                    cancel=cancel)
+                else:
+                    metadata = {"format": "pt", "metaseq_oneload": os.path.basename(out.sidecar)}
+                    n = write_safetensors(tmp, entries, metadata, fill, chunk_bytes=chunk_bytes, progress=progress,
+                                          cancel=cancel)
+                    write_json(outputs.temp(out.sidecar), self.sidecar(out.part, out.shard, obj, tied, out.path))
+            except OSError as e:
+                if isinstance(e, OneloadError):
+                    raise
+                hint = ("the disk is full: free space or choose another folder" if e.errno == errno.ENOSPC
+                        else "check the destination folder's permissions and free space")
+                raise ConversionError(f"{out.path}: cannot write ({e.strerror or e}); {hint}. Nothing was "
+                                      "written under a final name.") from e
+            return n, reader.bytes_read
+
+
+def _parse_budget(value: Any) -> Optional[int]:
+    """Bytes from an int or a size such as "512M", "2G", "1.5GiB"."""
+    if value is None or isinstance(value, int):
+        return value
+    s = str(value).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if s and s[-1] in mult:
+            return int(float(s[:-1]) * mult[s[-1]])
+        return int(float(s))
+    except ValueError:
+        raise ValueError(f"memory_budget={value!r}: expected a number of bytes or a size such as 512M or 2G.") from None
+
+
+def convert(
+    src: "str | os.PathLike",
+    dst_prefix: "str | os.PathLike",
+    *,
+    model_parallel: Optional[int] = None,
+    shards: Optional[int] = None,
+    flat: Optional[bool] = None,
+    format: str = "torch",
+    drop_optimizer: bool = False,
+    overwrite: bool = False,
+    jobs: Optional[int] = None,
+    memory_budget: "int | str | None" = None,
+    chunk_mb: float = 32,
+    dtype: "torch.dtype | str | None" = None,
+    qkv: str = "auto",
+    wrapping: "Mapping | str | os.PathLike | None" = None,
+    trust_pickle: bool = False,
+    progress: "Optional[bool] | Callable[[int, int], None]" = None,
+) -> ConvertReport:
+    """(local, one process; no process group) Rewrite a checkpoint in another layout.
+
+    Args:
+        src: any file of the source checkpoint, its folder, its un-suffixed name or a glob.
+        dst_prefix: the destination prefix (``/out/checkpoint_last``; a trailing ``.pt`` is
+            dropped; an existing folder means "the source's prefix inside it").
+        model_parallel: model-parallel parts M of the output (default: the source's).
+        shards: FSDP shards N per part (default: the source's).
+        flat: write fairscale flat-parameter shards with ``shard_metadata``. Default: flat
+            when N > 1, or when the source is flat with the same N; unflattened otherwise.
+            Unflattened outputs have one file per part (N must be 1).
+        format: "torch" (metaseq's files) or "safetensors" (weights as safetensors plus a
+            JSON sidecar of everything else; the optimizer state is dropped).
+        drop_optimizer: leave ``last_optimizer_state`` out.
+        overwrite: replace existing destination files (and remove other files of an older
+            checkpoint under the same prefix). A source file is never written over.
+        jobs: output files written concurrently (default: the CPU count, bounded by the
+            file count and ``memory_budget``).
+        memory_budget: bytes (or "2G", "512M") that all jobs together may hold for
+            buffers (default 1 GiB). Each job holds about three ``chunk_mb`` chunks.
+        chunk_mb: the I/O chunk.
+        dtype: cast the weights (``torch.float16``, "bf16", ...); the optimizer state keeps its dtype.
+        qkv: "auto" (metaseq's fused ``qkv_proj``), "fused" or "split" (k/v/q_proj,
+            unflattened outputs only).
+        wrapping: for a flat output from an unflattened source, the FSDP wrapping to follow:
+            fairscale's ``local_metadata_dict()`` or a flat shard file that carries one.
+            Default: metaseq's (each ``*.layers.N`` its own FSDP instance).
+        trust_pickle: unpickle the source without the allowlist (unsafe).
+        progress: a progress bar (default: when stderr is a terminal), or a callable that
+            receives (bytes written since the last call, tensors completed), called from
+            the writer threads.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        OutputExistsError: a destination file exists (without ``overwrite``) or is a source file.
+        CheckpointLayoutError: the source is incomplete or cannot be split as asked.
+        ConversionError, ValueError: the request itself is inconsistent.
+
+    Example::
+
+        convert("/ckpt/checkpoint_last.pt", "/out/checkpoint_last", model_parallel=2, shards=4)
+    """
+    t0 = time.perf_counter()
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: expected one of {', '.join(FORMATS)}.")
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}.")
+        dtype = _DTYPES[dtype.lower()]
+    layout = discover(src, trust_pickle=trust_pickle)
+    M = layout.model_parallel_size if model_parallel is None else int(model_parallel)
+    N = layout.shards_per_part if shards is None else int(shards)
+    if M < 1 or N < 1:
+        raise ValueError(f"model_parallel={M}, shards={N}: both must be at least 1.")
+    if flat is None:
+        flat = N > 1 or (layout.flat and N == layout.shards_per_part)
+    if not flat and N > 1:
+        raise ValueError(
+            f"shards={N} with flat=False: metaseq's sharded state is FSDP flat parameters, and unflattened "
+            "weights are not split into shards. Use flat=True (CLI --flat) or shards=1."
+        )
+    if flat and qkv == "split":
+        raise ValueError("qkv='split' applies to unflattened outputs; flat parameters keep metaseq's fused qkv_proj.")
+    if flat and layout.flavor == "pytorch" and not layout.flat and wrapping is None:
+        raise ConversionError(
+            f"{layout.display_name}: a bare state dict carries no FSDP wrapping; pass wrapping= (CLI --wrapping "
+            "SHARD.pt) with a flat shard or fairscale local_metadata_dict() to follow, or write flat=False."
+        )
+    prefix = _resolve_dst(dst_prefix, layout)
+    if os.path.join(os.path.realpath(os.path.dirname(prefix)), os.path.basename(prefix)) == os.path.join(
+            os.path.realpath(layout.directory), os.path.basename(layout.prefix)):
+        raise OutputExistsError(
+            f"{prefix}: the destination prefix is the source checkpoint's own; a conversion never writes over "
+            "or beside its source under the same name. Choose another prefix (e.g. "
+            f"{prefix}_mp{M}x{N}) or another folder."
+        )
+    grid = output_paths(prefix, M, N, flat, format)
+    outs = [_Output(m, d, p, _sidecar(p) if format == "safetensors" else None)
+            for m, row in enumerate(grid) for d, p in enumerate(row)]
+    finals = [o.path for o in outs] + [o.sidecar for o in outs if o.sidecar]
+    protected = [f.path for f in layout.all_files] + [os.path.join(layout.directory, a) for a in layout.aliases]
+    outputs = OutputSet(finals, overwrite=overwrite, protected=protected,
+                        replaces=_older_members(prefix, finals))
+    conv = _Conversion(layout, model_parallel=M, shards=N, flat=flat, fmt=format, drop_optimizer=drop_optimizer,
+                       dtype=dtype, qkv=qkv, wrapping=_wrapping_metadata(wrapping, trust_pickle),
+                       trust_pickle=trust_pickle)
+    outputs.check()  # after planning: a request that cannot be met leaves no empty folder behind
+    budget = _parse_budget(memory_budget) or (1 << 30)
+    chunk = max(1 << 20, int(chunk_mb * _MiB))
+    if budget < _CHUNKS_PER_JOB * chunk:
+        chunk = max(1 << 16, budget // _CHUNKS_PER_JOB)
+    n_jobs = max(1, min(int(jobs) if jobs else (os.cpu_count() or 1), len(outs), budget // (_CHUNKS_PER_JOB * chunk)))
+    stale = outputs.clean_stale()
+    total_bytes, total_tensors = conv.total_bytes(), conv.total_tensors()
+    reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
+    free = shutil.disk_usage(os.path.dirname(prefix)).free
+    if total_bytes - reclaimed > free:
+        raise ConversionError(
+            f"{os.path.dirname(prefix)}: the output needs about {total_bytes / (1 << 30):.2f} GiB and the disk has "
+            f"{free / (1 << 30):.2f} GiB free; nothing was written. Free space or choose another folder."
+        )
+    callback, close_bar = progress_bar(progress, total_bytes, total_tensors, "convert")
+    written = read = 0
+    cancel = threading.Event()
+    futures: list = []
+    pending: set = set()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n_jobs, thread_name_prefix="oneload-convert") as pool:
+            try:
+                futures = [pool.submit(conv.write, o, outputs, chunk, callback, cancel) for o in outs]
+                pending = set(futures)
+                while pending:
+                    done, pending = concurrent.futures.wait(pending, timeout=0.5,
+                                                            return_when=concurrent.futures.FIRST_EXCEPTION)
+                    if any(f.exception() is not None for f in done):
+                        break
+            finally:
+                if any(f.done() and f.exception() is not None for f in futures) or pending:
+                    cancel.set()
+                concurrent.futures.wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            real = [e for e in errors if not isinstance(e, Cancelled)]
+            if real or errors:
+                raise (real or errors)[0]
+            for f in futures:
+                w, r = f.result()
+                written += w
+                read += r
+        outputs.commit()
+    except BaseException:
+        cancel.set()
+        outputs.abort()
+        raise
+    finally:
+        close_bar()
+    notes = list(conv.notes) + [f"source: {w}" for w in layout.warnings]
+    return ConvertReport(
+        src=layout.display_name,
+        source=f"{layout.model_parallel_size}x{layout.shards_per_part} {'flat' if layout.flat else 'unflattened'}",
+        dst_prefix=prefix,
+        model_parallel=M,
+        shards=N,
+        flat=flat,
+        format=format,
+        files=tuple(o.path for o in outs),
+        sidecars=tuple(o.sidecar for o in outs if o.sidecar),
+        optimizer=conv.optimizer_status,
+        bytes_written=written,
+        bytes_read=read,
+        tensors=total_tensors,
+        seconds=time.perf_counter() - t0,
+        jobs=n_jobs,
+        chunk_bytes=chunk,
+        notes=tuple(notes),
+        removed=tuple(stale) + tuple(outputs.removed),
+    )
+
+
+def consolidate(src: "str | os.PathLike", dst: "str | os.PathLike", **kwargs) -> ConvertReport:
+    """(local, one process) Write ``src`` as one unflattened checkpoint file ``dst``
+    (``X.pt``; ``X.safetensors`` and ``X.json`` with ``format="safetensors"``): :func:`convert` with
+    ``model_parallel=1, shards=1, flat=False``. Other keyword arguments as there.
+
+    Flat FSDP optimizer state cannot follow into unflattened parameters and is dropped
+    (metaseq's ``consolidate_fsdp_shards`` drops it too).
+    """
+    for k in ("model_parallel", "shards", "flat"):
+        if k in kwargs:
+            raise TypeError(f"consolidate() sets {k} itself; use convert() for other layouts.")
+    dst = os.fspath(dst)
+    if not dst.endswith((".pt", ".safetensors")) and not (dst.endswith(os.sep) or os.path.isdir(dst)):
+        raise ValueError(f"{dst}: expected a file name ending in .pt (or .safetensors), or an existing folder.")
+    return convert(src, dst, model_parallel=1, shards=1, flat=False, **kwargs)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _register() -> None:
+    from .cli import command, human_bytes, table
+
+    def add_common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--format", choices=FORMATS, default="torch",
+                       help="torch (metaseq's files, default) or safetensors (+ a JSON of the metadata)")
+        p.add_argument("--drop-optimizer", action="store_true", help="leave the optimizer state out")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace existing destination files (never a source file)")
+        p.add_argument("--jobs", type=int, default=None, help="files written concurrently (default: CPUs)")
+        p.add_argument("--memory-budget", default=None,
+                       help="buffer memory of all jobs together, e.g. 512M, 2G (default 1G)")
+        p.add_argument("--chunk-mb", type=float, default=32, help="I/O chunk per read and write (default 32)")
+        p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights")
+        p.add_argument("--qkv", choices=("auto", "fused", "split"), default="auto",
+                       help="attention projections: metaseq's fused qkv_proj (auto) or split k/v/q_proj")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+    def report_table(r: ConvertReport) -> str:
+        layout = f"{r.model_parallel}x{r.shards} {'flat' if r.flat else 'unflattened'}"
+        rows = [
+            ["source", f"{r.src}  ({r.source})"],
+            ["target", f"{r.dst_prefix}  ({layout}, {r.format})"],
+            ["optimizer", r.optimizer],
+            ["written", f"{len(r.files) + len(r.sidecars)} file(s), {human_bytes(r.bytes_written)} of tensors in "
+                        f"{r.seconds:.2f} s ({r.jobs} job(s), {human_bytes(r.chunk_bytes)} chunks)"],
+            ["read", human_bytes(r.bytes_read)],
+        ]
+        out = [table(rows), "", "files"]
+        out.append(table([[os.path.basename(p), human_bytes(os.path.getsize(p))]
+                          for p in list(r.files) + list(r.sidecars)]))
+        if r.notes:
+            out += ["", "notes"] + [f"  - {n}" for n in r.notes]
+        if r.removed:
+            out += ["", "removed"] + [f"  - {p}" for p in r.removed]
+        return "\n".join(out)
+
+    def kwargs_of(args) -> dict:
+        return dict(format=args.format, drop_optimizer=args.drop_optimizer, overwrite=args.overwrite, jobs=args.jobs,
+                    memory_budget=args.memory_budget, chunk_mb=args.chunk_mb, dtype=args.dtype, qkv=args.qkv,
+                    trust_pickle=args.trust_pickle, progress=False if (args.no_progress or args.json) else None)
+
+    @command("convert", "rewrite a checkpoint as M model-parallel parts x N shards, streaming, never over its source")
+    def _convert_cmd(args) -> int:
+        r = convert(args.src, args.dst_prefix, model_parallel=args.model_parallel, shards=args.shards,
+                    flat=args.flat, wrapping=args.wrapping, **kwargs_of(args))
+        print(json.dumps(r.to_dict(), indent=2) if args.json else report_table(r))
+        return 0
+
+    def _configure_convert(p: argparse.ArgumentParser) -> None:
+        p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
+        p.add_argument("dst_prefix", help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes)")
+        p.add_argument("--model-parallel", "-m", type=int, default=None, help="model-parallel parts (default: the source's)")
+        p.add_argument("--shards", "-s", type=int, default=None, help="FSDP shards per part (default: the source's)")
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--flat", dest="flat", action="store_true", default=None,
+                       help="fairscale flat-parameter shards with shard_metadata (default when --shards > 1)")
+        g.add_argument("--unflat", dest="flat", action="store_false",
+                       help="unflattened weights, one file per part (needs --shards 1)")
+        p.add_argument("--wrapping", default=None,
+                       help="a flat shard whose FSDP wrapping a flat output of an unflattened source follows")
+        add_common(p)
+
+    _convert_cmd.configure = _configure_convert
+
+    @command("consolidate", "write a checkpoint as one unflattened file (DST.pt)")
+    def _consolidate_cmd(args) -> int:
+        r = consolidate(args.src, args.dst, **kwargs_of(args))
+        print(json.dumps(r.to_dict(), indent=2) if args.json else report_table(r))
+        return 0
+
+    def _configure_consolidate(p: argparse.ArgumentParser) -> None:
+        p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
+        p.add_argument("dst", help="the output file, e.g. /out/consolidated.pt")
+        add_common(p)
+
+    _consolidate_cmd.configure = _configure_consolidate
+
+    @command("verify", "compare two checkpoints of any layouts tensor by tensor (exit 0 only if they match)")
+    def _verify_cmd(args) -> int:
+        r = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
+                   progress=False if (args.no_progress or args.json) else None)
+        if args.json:
+            print(json.dumps(r.to_dict(), indent=2))
+            return 0 if r.match else 1
+        out = [table([["a", f"{r.a}  ({r.source_a})"], ["b", f"{r.b}  ({r.source_b})"],
+                      ["tolerance", f"|a-b| <= {r.atol:g} + {r.rtol:g} * |b|"]])]
+        if r.only_in_a or r.only_in_b or r.shape_mismatches:
+            out += ["", "structure"]
+            out += [f"  only in a: {n}" for n in r.only_in_a[:20]]
+            out += [f"  only in b: {n}" for n in r.only_in_b[:20]]
+            out += [f"  shape: {n}: a {sa} vs b {sb}" for n, sa, sb in r.shape_mismatches[:20]]
+        top = [d for d in r.largest(args.top) if d.max_abs > 0 or d.mismatched]
+        if top:
+            out += ["", f"largest differences (of {len(r.diffs)} tensors)",
+                    table([[d.name, "x".join(map(str, d.shape)) or "scalar", f"{d.max_abs:.3g}", f"{d.max_rel:.3g}",
+                            f"{d.mismatched:,}"] for d in top],
+                          header=["tensor", "shape", "max |a-b|", "max rel", "over tol"])]
+        bad = sum(1 for d in r.diffs if d.mismatched)
+        if r.match:
+            verdict = (f"MATCH: {len(r.diffs)} tensors, {r.elements:,} elements"
+                       + (", bit-identical" if r.identical else " within tolerance"))
+        else:
+            verdict = (f"DIFFER: {bad} of {len(r.diffs)} tensors out of tolerance"
+                       + (f", {len(r.only_in_a) + len(r.only_in_b)} names unmatched" if r.only_in_a or r.only_in_b else "")
+                       + (f", {len(r.shape_mismatches)} shapes differ" if r.shape_mismatches else ""))
+        out += ["", verdict]
+        print("\n".join(out))
+        return 0 if r.match else 1
+
+    def _configure_verify(p: argparse.ArgumentParser) -> None:
+        p.add_argument("a", help="a checkpoint (any layout)")
+        p.add_argument("b", help="another checkpoint (any layout)")
+        p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
+        p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
+        p.add_argument("--top", type=int, default=10, help="how many of the largest differences to print")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+    _verify_cmd.configure = _configure_verify
+
+
+_register()
