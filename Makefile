@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): setup.cfg pyproject.toml requirements-dev.txt
+$(STAMP): setup.cfg setup.py MANIFEST.in metaseq_oneload.pth pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .

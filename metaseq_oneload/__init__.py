@@ -6,39 +6,64 @@ Public API (everything else is private)::
     load_state_dict(path, ...) -> state dict   this rank's part of the weights (collective)
     load_checkpoint(path, ...)                 the same, with shard_metadata, layout, report
     load_into(module, path, ...)               fill a plain, meta or FSDP2 module in place
+    from_pretrained(model_cls, path, ...)      a Hugging Face model read once, sharded or not
     convert(src, dst_prefix, ...)              rewrite a checkpoint in any layout, streaming
     consolidate(src, dst) / verify(a, b)       one unflattened file / compare any two layouts
+    install() / uninstall()                    route metaseq's loading through the engine
+    register_resolver() / register_configs()   the ``oneload`` resolver and Hydra config group
+
+Names load lazily: Hydra imports this package whenever its search-path plugin is
+discovered, and that must not cost a torch import.
 """
 
-from ._convert import ConvertReport, consolidate, convert
+from __future__ import annotations
+
+import importlib
+
 from ._errors import (
     CheckpointLayoutError,
     CheckpointNotFoundError,
     ConversionError,
     DistributedLoadError,
-    OutputExistsError,
     OneloadError,
+    OutputExistsError,
     StateDictMismatchError,
     UnsafeCheckpointError,
 )
-from ._layout import CheckpointLayout, discover as inspect
-from ._loading import LoadedCheckpoint, LoadReport, load_checkpoint, load_into, load_state_dict
-from ._verify import TensorDiff, VerifyReport, verify
 
-__all__ = [
-    "inspect",
-    "load_state_dict",
-    "load_checkpoint",
-    "load_into",
-    "convert",
-    "consolidate",
-    "verify",
-    "CheckpointLayout",
-    "LoadedCheckpoint",
-    "LoadReport",
-    "ConvertReport",
-    "VerifyReport",
-    "TensorDiff",
+_LAZY = {
+    "inspect": ("._layout", "discover"),
+    "CheckpointLayout": ("._layout", "CheckpointLayout"),
+    "load_state_dict": ("._loading", "load_state_dict"),
+    "load_checkpoint": ("._loading", "load_checkpoint"),
+    "load_into": ("._loading", "load_into"),
+    "LoadedCheckpoint": ("._loading", "LoadedCheckpoint"),
+    "LoadReport": ("._loading", "LoadReport"),
+    "from_pretrained": ("._hf", "from_pretrained"),
+    "empty_model": ("._hf", "empty_model"),
+    "fully_shard_blocks": ("._hf", "fully_shard_blocks"),
+    "export_hf": ("._hf_export", "export_hf"),
+    "convert": ("._convert", "convert"),
+    "consolidate": ("._convert", "consolidate"),
+    "ConvertReport": ("._convert", "ConvertReport"),
+    "verify": ("._verify", "verify"),
+    "VerifyReport": ("._verify", "VerifyReport"),
+    "TensorDiff": ("._verify", "TensorDiff"),
+    "install": ("._metaseq", "install"),
+    "uninstall": ("._metaseq", "uninstall"),
+    "installed": ("._metaseq", "installed"),
+    "activate": ("._startup", "activate"),
+    "register_resolver": ("._hydra", "register_resolver"),
+    "register_configs": ("._hydra", "register_configs"),
+    "extend_schema": ("._hydra", "extend_schema"),
+    "compose_oneload": ("._hydra", "compose_oneload"),
+    "fill_settings": ("._hydra", "fill_settings"),
+    "checkpoint_settings": ("._hydra", "checkpoint_settings"),
+    "OneloadConfig": ("._hydra", "OneloadConfig"),
+    "CheckpointSettingsError": ("._hydra", "CheckpointSettingsError"),
+}
+
+__all__ = sorted(_LAZY) + [
     "OneloadError",
     "CheckpointLayoutError",
     "CheckpointNotFoundError",
@@ -50,3 +75,17 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'metaseq_oneload' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))

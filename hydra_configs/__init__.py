@@ -1,0 +1,1 @@
+"""The ``oneload`` Hydra config group, installed as ``metaseq_oneload.hydra_configs``."""

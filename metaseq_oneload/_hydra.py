@@ -1,0 +1,540 @@
+"""The Hydra/OmegaConf side: the ``oneload`` resolver, the ``oneload`` config group's
+schema, and metaseq's loading settings filled from the files.
+
+Three things live here, none of which needs metaseq:
+
+* :func:`register_resolver` registers ``${oneload:KEY,PATH}``, so any config can say
+  ``model_parallel_size: ${oneload:model_parallel_size,${checkpoint.restore_file}}``. It
+  reads the checkpoint through layout discovery (file names and pickled headers, never
+  tensor data), cached per path.
+* :class:`OneloadConfig` is the schema of the ``oneload`` group (``hydra_configs/oneload``);
+  :func:`extend_schema` adds an optional ``oneload`` node to a structured config such as
+  metaseq's ``MetaseqConfig``, so ``+oneload=auto`` composes onto it in struct mode, and
+  :func:`compose_oneload` composes the group on its own (what the start-up hook does).
+* :func:`fill_settings` writes ``common.model_parallel_size``,
+  ``checkpoint.checkpoint_shard_count``, ``distributed_training.use_sharded_state`` and
+  ``distributed_training.ddp_backend`` from the files into a metaseq-shaped config; a value
+  the user gave that contradicts the files is a :class:`CheckpointSettingsError`.
+
+Config dataclasses use ``typing.Optional``, not ``X | None``: omegaconf 2.1 (metaseq's pin)
+rejects PEP 604 unions. Nothing here imports torch at module level; the layout discovery it
+calls does, when a checkpoint is actually read.
+"""
+
+import dataclasses
+import functools
+import os
+import re
+import shlex
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from ._errors import CheckpointNotFoundError, OneloadError
+
+__all__ = [
+    "RESOLVER",
+    "STRATEGIES",
+    "SETTINGS",
+    "OneloadConfig",
+    "CheckpointSettingsError",
+    "register_resolver",
+    "resolve",
+    "checkpoint_settings",
+    "checkpoint_path",
+    "fill_settings",
+    "extend_schema",
+    "register_configs",
+    "compose_oneload",
+    "to_config",
+    "split_argv",
+    "explicit_settings",
+    "activation_overrides",
+]
+
+RESOLVER = "oneload"
+# "off" composes but leaves metaseq's own loading untouched (install() is not called).
+STRATEGIES = ("auto", "own_shard", "reshard", "broadcast", "off")
+ENV = "METASEQ_ONELOAD"
+# The package Hydra reads the group from; see hydra_plugins/oneload_searchpath.
+CONFIG_MODULE = "metaseq_oneload.hydra_configs"
+
+
+class CheckpointSettingsError(OneloadError, ValueError):
+    """A loading setting the user gave (flag, override or config value) contradicts what the
+    checkpoint's files hold."""
+
+
+@dataclass
+class OneloadConfig:
+    """The ``oneload`` config group: how metaseq/fairseq checkpoints are loaded once
+    :func:`metaseq_oneload.install` has patched the loading path."""
+
+    # auto: each rank reads its own file when the saved layout matches the world, else the
+    # byte ranges it needs; own_shard / reshard / broadcast force one (reshard also lets
+    # settings the user gave win over the files'); off: leave metaseq's loading alone.
+    strategy: str = "auto"
+    # The checkpoint the settings are read from (and ${oneload:KEY}'s default path); the
+    # weights still come from where the app loads them. None: that same checkpoint
+    # (common_eval.path, else checkpoint.restore_file in checkpoint.save_dir, else
+    # checkpoint.finetune_from_model). A folder, any file of the set or the un-suffixed name.
+    path: Optional[str] = None
+    # Also compare what was loaded with torch's own reading of the files (one more read).
+    verify: bool = False
+    # Broadcast bucket size in MiB: the peak extra memory on every rank when broadcasting.
+    bucket_mb: float = 256.0
+    # Fill model_parallel_size, checkpoint_shard_count, use_sharded_state and ddp_backend
+    # from the files when the user left them at metaseq's defaults, and refuse values the
+    # user gave that contradict the files. False: leave the config as given.
+    fill_cfg: bool = True
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            hint = ""
+            if str(self.strategy).lower() in ("false", "true"):
+                hint = ' (unquoted off/on in YAML is a boolean: write strategy: "off")'
+            raise ValueError(f"oneload.strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}{hint}.")
+        if self.path is not None and (not isinstance(self.path, str) or not self.path.strip()):
+            raise ValueError(f"oneload.path={self.path!r}: expected a checkpoint path or null.")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ValueError(f"oneload.bucket_mb={self.bucket_mb!r}: expected a positive number of MiB.")
+        for name in ("verify", "fill_cfg"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"oneload.{name}={getattr(self, name)!r}: expected true or false.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.strategy != "off"
+
+
+def to_config(node: Any) -> OneloadConfig:
+    """(local) A checked :class:`OneloadConfig` from a composed ``oneload`` node, a mapping,
+    an existing config or None (the defaults)."""
+    if node is None:
+        return OneloadConfig()
+    if isinstance(node, OneloadConfig):
+        return node
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    known = {f.name for f in dataclasses.fields(OneloadConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"oneload: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}.")
+    return OneloadConfig(**data)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One metaseq loading setting: where it lives in the config and on the command line."""
+
+    name: str  # the key in checkpoint_settings() and the resolver
+    key: str  # dotted key in a metaseq config
+    flag: str  # metaseq's command-line flag
+    default: Any  # metaseq's default (a value equal to it counts as not given)
+
+
+# ddp_backend before use_sharded_state: sharded state is only filled in where the backend
+# ends up fully_sharded.
+SETTINGS = (
+    Setting("model_parallel_size", "common.model_parallel_size", "--model-parallel-size", 1),
+    Setting("checkpoint_shard_count", "checkpoint.checkpoint_shard_count", "--checkpoint-shard-count", 1),
+    Setting("ddp_backend", "distributed_training.ddp_backend", "--ddp-backend", "pytorch_ddp"),
+    Setting("use_sharded_state", "distributed_training.use_sharded_state", "--use-sharded-state", False),
+)
+
+
+def checkpoint_settings(layout) -> Dict[str, Any]:
+    """(local) What the files of ``layout`` say, under the resolver's keys.
+
+    ``ddp_backend`` is ``"fully_sharded"`` for FSDP-sharded files (nothing else loads them
+    natively) and None otherwise (any backend loads unflattened weights). fairseq's
+    ``X_partK.pt`` sets are consolidated while loading, so they give
+    ``checkpoint_shard_count=K`` and ``use_sharded_state=False``.
+    """
+    fairseq_parts = layout.name.shard_style == "_part" and layout.name.shard is not None
+    sharded = layout.use_sharded_state and not fairseq_parts
+    return {
+        "model_parallel_size": layout.model_parallel_size,
+        "checkpoint_shard_count": layout.shards_per_part if fairseq_parts else 1,
+        "use_sharded_state": sharded,
+        "ddp_backend": "fully_sharded" if sharded else None,
+        "world_size": layout.saved_world_size,
+        "kind": layout.kind,
+        "shards_per_part": layout.shards_per_part,
+        "flat": layout.flat,
+        "num_updates": layout.num_updates,
+        "path": layout.all_files[0].path,
+    }
+
+
+def _describe(layout) -> str:
+    """What the files are, for error messages: 'checkpoint_2-model_part-{0,1}-shard{0,1}.pt (2 x 2, flat)'."""
+    name = layout.name
+    label = name.prefix
+    if name.part is not None:
+        label += "-model_part-" + ("{0..%d}" % (layout.model_parallel_size - 1) if layout.model_parallel_size > 1 else "0")
+    if name.shard is not None:
+        label += name.shard_style + ("{0..%d}" % (layout.shards_per_part - 1) if layout.shards_per_part > 1 else "0")
+    return os.path.join(layout.directory, label + ".pt")
+
+
+def _get(cfg: Any, dotted: str) -> Tuple[Any, str, bool]:
+    """(section node, leaf name, present) for a dotted key of a DictConfig, dict or Namespace."""
+    *path, leaf = dotted.split(".")
+    node = cfg
+    for p in path:
+        node = node.get(p) if isinstance(node, Mapping) else getattr(node, p, None)
+        if node is None:
+            return None, leaf, False
+    present = leaf in node if isinstance(node, Mapping) else hasattr(node, leaf)
+    return node, leaf, present
+
+
+def _value(node: Any, leaf: str) -> Any:
+    return node[leaf] if isinstance(node, Mapping) else getattr(node, leaf)
+
+
+def fill_settings(
+    cfg: Any,
+    layout,
+    *,
+    explicit: Iterable[str] = (),
+    strategy: str = "auto",
+) -> List[Tuple[str, Any, Any]]:
+    """(local) Write the files' loading settings into a metaseq-shaped config, in place.
+
+    A setting still at metaseq's default, and not named in ``explicit`` (dotted keys or
+    flags the user typed), takes the files' value. A setting the user gave that differs is
+    an error, except with ``strategy="reshard"``, where the user's value wins and the engine
+    converts. Settings the files do not constrain (``ddp_backend`` and ``use_sharded_state``
+    for unflattened weights) are left alone, as are sections the config does not have.
+
+    Returns:
+        The changes made, as (dotted key, old value, new value).
+
+    Raises:
+        CheckpointSettingsError: naming the flag, the value given and what the files hold.
+    """
+    files = checkpoint_settings(layout)
+    # Unflattened weights load under any backend and either use_sharded_state (which then
+    # only decides how the run saves): the files constrain those two only when FSDP-sharded.
+    files["use_sharded_state"] = True if files["use_sharded_state"] else None
+    explicit = set(explicit)
+    changes = []
+    for s in SETTINGS:
+        want = files[s.name]
+        node, leaf, present = _get(cfg, s.key)
+        if want is None or not present:
+            continue
+        have = _value(node, leaf)
+        if have == want:
+            continue
+        given = s.key in explicit or s.flag in explicit or have != s.default
+        if given:
+            if strategy == "reshard":
+                continue
+            raise CheckpointSettingsError(
+                f"{s.flag} {have} ({s.key}) contradicts {_describe(layout)}: the files hold "
+                f"{s.name}={want}{_why(s.name, layout)}. Drop {s.flag} to take the files' value, or "
+                f"pass oneload.strategy=reshard to load onto {s.name}={have} anyway."
+            )
+        if s.name == "use_sharded_state" and want:
+            backend_node, backend_leaf, backend_present = _get(cfg, "distributed_training.ddp_backend")
+            if backend_present and _value(backend_node, backend_leaf) != "fully_sharded":
+                continue  # the user's own backend (strategy=reshard) cannot save sharded state
+        if isinstance(node, Mapping):
+            node[leaf] = want
+        else:
+            setattr(node, leaf, want)
+        _set_mirrors(cfg, leaf, have, want)
+        changes.append((s.key, have, want))
+    return changes
+
+
+def _set_mirrors(cfg: Any, leaf: str, old: Any, new: Any) -> None:
+    """metaseq keeps a flat argparse.Namespace of every option in cfg.model, cfg.criterion,
+    ... (the model reads use_sharded_state there): update those copies too."""
+    import argparse
+
+    sections = cfg.values() if isinstance(cfg, Mapping) else vars(cfg).values()
+    for node in sections:
+        if isinstance(node, argparse.Namespace) and getattr(node, leaf, _NO_DEFAULT) == old:
+            setattr(node, leaf, new)
+
+
+def _why(name: str, layout) -> str:
+    if name == "model_parallel_size":
+        return f" ({layout.model_parallel_size} model-parallel part(s))"
+    if name in ("use_sharded_state", "ddp_backend"):
+        return (f" (FSDP shards, {layout.shards_per_part} per part)" if layout.use_sharded_state
+                else " (unflattened weights)")
+    if name == "checkpoint_shard_count":
+        return f" ({layout.shards_per_part} _part file(s))" if layout.name.shard_style == "_part" else " (no _part files)"
+    return ""
+
+
+def _split_paths(paths: str) -> List[str]:
+    # metaseq.utils.split_paths: os.pathsep separates an ensemble, except in URLs.
+    return [p for p in (paths.split("|") if "://" in paths else paths.split(os.pathsep)) if p]
+
+
+def checkpoint_path(cfg: Any, path: Optional[str] = None) -> Optional[str]:
+    """(local) The checkpoint a metaseq run would load, as metaseq picks it: ``path`` if
+    given, else ``common_eval.path`` (evaluation; the first of an ensemble), else
+    ``checkpoint.restore_file`` (the default ``checkpoint_last.pt`` is looked for in
+    ``checkpoint.save_dir``), else ``checkpoint.finetune_from_model`` when there is nothing
+    to restore. None when there is no checkpoint yet (a first launch)."""
+    from ._layout import discover
+
+    def exists(p: str) -> bool:
+        try:
+            discover(p)
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    if path:
+        return path
+    node, leaf, present = _get(cfg, "common_eval.path")
+    if present and node[leaf]:
+        return _split_paths(str(node[leaf]))[0]
+    node, _, present = _get(cfg, "checkpoint.restore_file")
+    if not present:
+        return None
+    restore = node.get("restore_file") if isinstance(node, Mapping) else getattr(node, "restore_file", None)
+    save_dir = (node.get("save_dir") if isinstance(node, Mapping) else getattr(node, "save_dir", None)) or "."
+    finetune = node.get("finetune_from_model") if isinstance(node, Mapping) else getattr(node, "finetune_from_model", None)
+    if restore and restore != "checkpoint_last.pt":
+        return restore
+    last = os.path.join(save_dir, restore or "checkpoint_last.pt")
+    if exists(last):
+        return last
+    return finetune or None
+
+
+# --------------------------------------------------------------------------- resolver
+
+_CACHE: Dict[tuple, Any] = {}
+_CACHE_LOCK = threading.Lock()
+_NO_DEFAULT = object()
+
+
+def _dir_stamp(path: str) -> int:
+    """Changes whenever a file is added, removed or re-linked in the checkpoint's folder."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _settings_for(path: str) -> Dict[str, Any]:
+    from ._layout import discover
+
+    key = (os.path.abspath(path), _dir_stamp(path))
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is None:
+        hit = checkpoint_settings(discover(path))
+        with _CACHE_LOCK:
+            _CACHE[key] = hit
+    return hit
+
+
+_RESOLVER_KEYS = ("model_parallel_size", "checkpoint_shard_count", "use_sharded_state", "ddp_backend",
+                  "world_size", "kind", "shards_per_part", "flat", "num_updates", "path")
+
+
+def resolve(key: str, path: Optional[str] = None, default: Any = _NO_DEFAULT) -> Any:
+    """(local) The value of ``${oneload:KEY,PATH[,DEFAULT]}``.
+
+    Args:
+        key: one of model_parallel_size, checkpoint_shard_count, use_sharded_state,
+            ddp_backend, world_size, kind, shards_per_part, flat, num_updates, path.
+        path: any file of the checkpoint, its folder, or its un-suffixed name.
+        default: returned when nothing is at ``path`` (a first launch); without it that is
+            an error. A damaged checkpoint is an error either way.
+
+    Raises:
+        KeyError: an unknown key. CheckpointNotFoundError, CheckpointLayoutError: see inspect.
+    """
+    if key not in _RESOLVER_KEYS:
+        raise KeyError(f"${{{RESOLVER}:{key},...}}: unknown key {key!r}; expected one of {', '.join(_RESOLVER_KEYS)}.")
+    if path is None or str(path).strip() == "":
+        raise ValueError(
+            f"${{{RESOLVER}:{key}}}: no checkpoint path: write ${{{RESOLVER}:{key},PATH}} or set oneload.path."
+        )
+    try:
+        return _settings_for(str(path))[key]
+    except CheckpointNotFoundError:
+        if default is _NO_DEFAULT:
+            raise
+        return default
+
+
+def _resolver(key: str, path: Optional[str] = None, default: Any = _NO_DEFAULT, *, _root_: Any = None) -> Any:
+    if path is None and _root_ is not None:
+        node, leaf, present = _get(_root_, "oneload.path")
+        path = node[leaf] if present else None
+    return resolve(key, path, default)
+
+
+def register_resolver() -> bool:
+    """(any rank, local) Register ``${oneload:...}`` with OmegaConf; a no-op when a resolver
+    of that name exists already. Returns whether this call registered it."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.has_resolver(RESOLVER):
+        return False
+    OmegaConf.register_new_resolver(RESOLVER, _resolver)
+    return True
+
+
+def clear_cache() -> None:
+    """(local) Forget every checkpoint the resolver has read."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@functools.lru_cache(maxsize=None)
+def extend_schema(base: type) -> type:
+    """(local) ``base`` (a structured-config dataclass such as metaseq's ``MetaseqConfig``)
+    plus an optional ``oneload: OneloadConfig`` node, so that ``+oneload=...`` composes onto
+    it in struct mode and ``oneload.*`` overrides are type-checked. Cached: the same base
+    always gives the same class."""
+    if dataclasses.is_dataclass(base) and "oneload" in {f.name for f in dataclasses.fields(base)}:
+        return base
+    return dataclasses.make_dataclass(
+        f"{base.__name__}WithOneload",
+        [("oneload", Optional[OneloadConfig], field(default=None))],
+        bases=(base,),
+    )
+
+
+@dataclass
+class _Root:
+    """The primary config :func:`compose_oneload` uses: nothing but the ``oneload`` node."""
+
+
+_ROOT_NAME = "_metaseq_oneload_root"
+
+
+def register_configs(base: Optional[type] = None, name: str = "base_config") -> None:
+    """(any rank, local) Store ``base`` + ``oneload`` in Hydra's ConfigStore under ``name``
+    (metaseq stores its ``MetaseqConfig`` as ``base_config``), replacing what is there, and
+    register the resolver. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    register_resolver()
+    cs = ConfigStore.instance()
+    cs.store(name=_ROOT_NAME, node=extend_schema(_Root))
+    if base is not None:
+        cs.store(name=name, node=extend_schema(base))
+
+
+def _initialize(config_module: str):
+    """hydra.initialize_config_module, with version_base=None (this Hydra's own defaults,
+    no upgrade warnings) where Hydra has the argument (>= 1.2)."""
+    import inspect as _inspect
+
+    from hydra import initialize_config_module
+
+    if "version_base" in _inspect.signature(initialize_config_module).parameters:
+        return initialize_config_module(config_module=config_module, version_base=None)
+    return initialize_config_module(config_module=config_module)
+
+
+def compose_oneload(overrides: Sequence[str]) -> OneloadConfig:
+    """(any rank, local) Compose the ``oneload`` group with Hydra, exactly as a Hydra app
+    would, and return the checked config.
+
+    Args:
+        overrides: Hydra overrides, e.g. ``["+oneload=auto", "oneload.strategy=broadcast"]``.
+
+    Raises:
+        hydra.errors.ConfigCompositionException (or another Hydra error): an unknown option,
+            a typo such as ``oneload.bogus=1``, a value of the wrong type.
+        ValueError: a value the schema's checks refuse (e.g. ``oneload.bucket_mb=0``).
+    """
+    from hydra import compose as hydra_compose
+
+    register_configs()
+    overrides = list(overrides)
+    if not any(_GROUP_TOKEN.match(o) for o in overrides):
+        overrides.insert(0, "+oneload=auto")
+    with _initialize(CONFIG_MODULE):
+        cfg = hydra_compose(config_name=_ROOT_NAME, overrides=overrides)
+    return to_config(cfg.oneload)
+
+
+# --------------------------------------------------------------------------- argv
+
+# Hydra override syntax for the group (+oneload=NAME) and its fields (oneload.KEY=VALUE,
+# +oneload.KEY=..., ++oneload.KEY=..., ~oneload.KEY).
+_GROUP_TOKEN = re.compile(r"^\+{1,2}oneload=")
+_TOKEN = re.compile(r"^(\+{1,2}|~)?oneload([.=]|$)")
+_FLAGS = {s.flag: s.key for s in SETTINGS}
+_KEYS = {s.key for s in SETTINGS}
+
+
+def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(local) ``argv`` without its ``oneload`` overrides, and those overrides in order."""
+    kept, tokens = [], []
+    for a in argv:
+        (tokens if _TOKEN.match(a) else kept).append(a)
+    return kept, tokens
+
+
+def explicit_settings(argv: Sequence[str]) -> FrozenSet[str]:
+    """(local) The dotted keys of the loading settings that ``argv`` sets, as metaseq flags
+    (``--model-parallel-size 2``, ``--use-sharded-state``, ``--ddp-backend=fully_sharded``) or
+    Hydra overrides (``common.model_parallel_size=2``)."""
+    found = set()
+    for a in argv:
+        flag = a.split("=", 1)[0]
+        if flag in _FLAGS:
+            found.add(_FLAGS[flag])
+        key = flag.lstrip("+")
+        if "=" in a and key in _KEYS:
+            found.add(key)
+    return frozenset(found)
+
+
+def activation_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> Optional[List[str]]:
+    """(local) The Hydra overrides that turn metaseq-oneload on, or None when neither a
+    ``+oneload=NAME`` token in ``argv`` nor ``METASEQ_ONELOAD`` asks for it.
+
+    ``METASEQ_ONELOAD="NAME [oneload.KEY=VALUE ...]"`` selects the option (and overrides)
+    when the command line does not; ``oneload.*`` tokens on the command line come last, so
+    they win.
+    """
+    _, tokens = split_argv(argv)
+    env = environ.get(ENV, "").strip()
+    has_group = any(_GROUP_TOKEN.match(t) for t in tokens)
+    if not has_group and not env:
+        return None
+    overrides: List[str] = []
+    if env and not has_group:
+        words = shlex.split(env)
+        overrides.append(words[0] if _GROUP_TOKEN.match(words[0]) else f"+oneload={words[0]}")
+        overrides += words[1:]
+    return overrides + tokens
+
+
+def environment_value(overrides: Sequence[str]) -> str:
+    """The ``METASEQ_ONELOAD`` value that re-creates ``overrides`` in a child process."""
+    group = "auto"
+    rest = []
+    for o in overrides:
+        if _GROUP_TOKEN.match(o):
+            group = o.split("=", 1)[1]
+        else:
+            rest.append(o)
+    return " ".join(shlex.quote(w) for w in [group, *rest])

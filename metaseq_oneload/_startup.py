@@ -1,0 +1,181 @@
+"""The start-up hook behind ``metaseq-train +oneload=auto``.
+
+metaseq parses its command line with argparse, which rejects Hydra's ``+oneload=auto``.
+``metaseq_oneload.pth``, installed at the top of site-packages with the package, runs one
+cheap line at every interpreter start: only when an argument starts with ``+oneload=`` or
+``METASEQ_ONELOAD`` is set does it import this module and call :func:`from_pth`, which
+
+1. composes the ``oneload`` group through Hydra from those tokens (a typo such as
+   ``oneload.bogus=1`` stops the program with Hydra's own message),
+2. takes the tokens out of ``sys.argv`` (at once for metaseq's own commands; any other
+   program that parses metaseq's options gets them removed when metaseq parses),
+3. sets ``METASEQ_ONELOAD`` so that spawned workers do the same, and
+4. installs the patch as soon as metaseq (or fairseq) has been imported.
+
+Without the token nothing is imported and nothing changes. The ``--user-dir`` route calls
+:func:`activate` from the user directory's ``__init__.py`` instead (see docs/metaseq/train.md).
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import threading
+from typing import Any, Callable, Iterable, List, MutableMapping, Optional
+
+from ._hydra import (ENV, OneloadConfig, activation_overrides, compose_oneload, environment_value, explicit_settings,
+                     split_argv)
+
+__all__ = ["activate", "from_pth", "strip_argv"]
+
+_WATCHED = ("metaseq", "fairseq")
+_DONE = False
+_LOCK = threading.Lock()
+
+
+def strip_argv(argv: List[str]) -> List[str]:
+    """(local) Remove the ``oneload`` overrides from ``argv`` in place (``argv[0]`` is the
+    program and stays); returns what was removed."""
+    kept, tokens = split_argv(argv[1:])
+    argv[1:] = kept
+    return tokens
+
+
+def activate(argv: Optional[List[str]] = None, environ: Optional[MutableMapping[str, str]] = None, *,
+             strip: bool = True) -> Optional[OneloadConfig]:
+    """(every process, local) Turn metaseq-oneload on from the command line.
+
+    Composes the ``oneload`` group from the ``+oneload=NAME`` / ``oneload.KEY=VALUE`` tokens
+    of ``argv`` (default ``sys.argv``) or from ``METASEQ_ONELOAD``, removes those tokens
+    from ``argv`` in place (``strip``), records them in ``METASEQ_ONELOAD`` for child
+    processes, and installs the patch now if metaseq is imported, else right after it is.
+
+    Returns:
+        The composed config, or None when neither a ``+oneload=`` token nor
+        ``METASEQ_ONELOAD`` asks for metaseq-oneload (then nothing happens).
+
+    Raises:
+        hydra.errors.HydraException, ValueError: the overrides do not compose.
+
+    Example (a ``--user-dir`` package's ``__init__.py``)::
+
+        import metaseq_oneload
+        metaseq_oneload.activate()
+    """
+    argv = sys.argv if argv is None else argv
+    environ = os.environ if environ is None else environ
+    overrides = activation_overrides(argv[1:], environ)
+    if overrides is None:
+        return None
+    config = compose_oneload(overrides)
+    explicit = explicit_settings(argv[1:])
+    if strip:
+        strip_argv(argv)
+    environ[ENV] = environment_value(overrides)
+    if config.enabled:
+        # Tokens left in argv are for the program's own Hydra: it composes +oneload=... onto
+        # metaseq's structured config, which then needs the oneload node.
+        _install_when_imported(config, explicit, hydra_schema=not strip)
+    return config
+
+
+def _metaseq_command() -> bool:
+    """Whether this process runs one of metaseq's own command lines (console script
+    metaseq-*, python -m metaseq..., or a script inside the metaseq package), whose argv
+    is metaseq's to parse."""
+    argv = getattr(sys, "argv", None) or [""]
+    if os.path.basename(argv[0]).startswith("metaseq-"):
+        return True
+    orig = list(getattr(sys, "orig_argv", ()))
+    if "-m" in orig[:-1] and orig[orig.index("-m") + 1].split(".")[0] == "metaseq":
+        return True
+    return f"{os.sep}metaseq{os.sep}" in os.path.abspath(argv[0]) and argv[0].endswith(".py")
+
+
+def from_pth() -> None:
+    """(every process, at interpreter start) What ``metaseq_oneload.pth`` calls once it has
+    seen ``+oneload=`` or ``METASEQ_ONELOAD``. Runs once per process (site-packages may be
+    scanned twice). An error stops the program with a message: running on without the
+    loading the user asked for would be wrong, and an exception here would only be printed."""
+    global _DONE
+    with _LOCK:
+        if _DONE:
+            return
+        _DONE = True
+    try:
+        activate(strip=_metaseq_command())
+    except Exception as e:  # noqa: BLE001  (reported, then the process stops)
+        sys.stderr.write(f"metaseq-oneload: {' '.join(sys.argv[1:])}: {type(e).__name__}: {e}\n")
+        sys.stderr.flush()
+        os._exit(2)
+
+
+def _install_when_imported(config: OneloadConfig, explicit: Iterable[str], hydra_schema: bool) -> None:
+    from . import _metaseq
+
+    def install() -> None:
+        _metaseq.install(config, explicit=explicit, hydra_schema=hydra_schema)
+
+    if any(name in sys.modules for name in _WATCHED):
+        install()
+        return
+    _AfterImport.watch(_WATCHED, install)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback once the first of some top-level packages has finished importing
+    (its ``__init__`` executed), then leaves ``sys.meta_path``."""
+
+    def __init__(self, names: Iterable[str], callback: Callable[[], None]):
+        self.names = frozenset(names)
+        self.callback = callback
+        self._searching = threading.local()
+        self._fired = False
+
+    @classmethod
+    def watch(cls, names: Iterable[str], callback: Callable[[], None]) -> "_AfterImport":
+        finder = cls(names, callback)
+        sys.meta_path.insert(0, finder)
+        return finder
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname not in self.names or getattr(self._searching, "on", False):
+            return None
+        self._searching.on = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching.on = False
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _ThenCall(spec.loader, self)
+        return spec
+
+    def fire(self) -> None:
+        if self._fired:
+            return
+        self._fired = True
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self.callback()
+
+
+class _ThenCall(importlib.abc.Loader):
+    """A loader that runs the real one, puts it back on the module, then fires."""
+
+    def __init__(self, loader: Any, finder: _AfterImport):
+        self._loader = loader
+        self._finder = finder
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._finder.fire()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

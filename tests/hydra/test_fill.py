@@ -1,0 +1,140 @@
+"""Filling metaseq's loading settings from the real checkpoints (no metaseq needed): what is
+filled, what the user gave wins or is refused, which checkpoint a run would load."""
+
+import argparse
+import os
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+import metaseq_oneload as mo
+from metaseq_oneload._hydra import CheckpointSettingsError, checkpoint_path, fill_settings
+from tests.conftest import FIXTURES, needs_fixtures
+
+pytestmark = needs_fixtures
+
+
+def metaseq_cfg(**sections):
+    """A config shaped like the one metaseq builds from argparse: nested sections, and the
+    flat argparse.Namespace copy of every option in cfg.model."""
+    base = {
+        "common": {"model_parallel_size": 1, "seed": 1},
+        "checkpoint": {"checkpoint_shard_count": 1, "save_dir": "checkpoints", "restore_file": "checkpoint_last.pt",
+                       "finetune_from_model": None},
+        "distributed_training": {"ddp_backend": "pytorch_ddp", "use_sharded_state": False},
+        "common_eval": {"path": None},
+    }
+    for name, values in sections.items():
+        base[name].update(values)
+    # metaseq swaps omegaconf's primitive-type check to store the Namespace; allow_objects
+    # is omegaconf's own switch for the same.
+    cfg = OmegaConf.create(base, flags={"allow_objects": True})
+    flat = {k: v for section in base.values() for k, v in section.items()}
+    cfg.model = argparse.Namespace(**flat)  # what convert_namespace_to_omegaconf does
+    return cfg
+
+
+def values(cfg):
+    return (cfg.common.model_parallel_size, cfg.checkpoint.checkpoint_shard_count,
+            cfg.distributed_training.ddp_backend, cfg.distributed_training.use_sharded_state)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("singleton", (1, 1, "pytorch_ddp", False)),
+    ("fsdp_dp3", (1, 1, "fully_sharded", True)),
+    ("mp2_ddp", (2, 1, "pytorch_ddp", False)),
+    ("mp2_dp2", (2, 1, "fully_sharded", True)),
+    ("shard_only", (1, 1, "fully_sharded", True)),
+])
+def test_defaults_take_the_files_values(name, expected):
+    cfg = metaseq_cfg()
+    changes = fill_settings(cfg, mo.inspect(FIXTURES / name))
+    assert values(cfg) == expected
+    assert {k for k, _, _ in changes} == {k for k, old, new in zip(
+        ("common.model_parallel_size", "checkpoint.checkpoint_shard_count", "distributed_training.ddp_backend",
+         "distributed_training.use_sharded_state"), (1, 1, "pytorch_ddp", False), expected) if old != new}
+
+
+def test_the_namespace_copies_follow():
+    cfg = metaseq_cfg()
+    fill_settings(cfg, mo.inspect(FIXTURES / "mp2_dp2"))
+    # metaseq's model reads use_sharded_state from cfg.model, not from distributed_training.
+    assert (cfg.model.model_parallel_size, cfg.model.use_sharded_state, cfg.model.ddp_backend) == (2, True, "fully_sharded")
+
+
+def test_agreeing_values_are_fine():
+    cfg = metaseq_cfg(common={"model_parallel_size": 2}, distributed_training={"ddp_backend": "fully_sharded"})
+    assert fill_settings(cfg, mo.inspect(FIXTURES / "mp2_dp2"),
+                         explicit={"--model-parallel-size", "--ddp-backend"}) == [
+        ("distributed_training.use_sharded_state", False, True)]
+
+
+def test_a_given_value_that_contradicts_the_files_is_an_error():
+    with pytest.raises(CheckpointSettingsError, match=(
+            r"--model-parallel-size 1 \(common\.model_parallel_size\) contradicts .*mp2_ddp/checkpoint_2-model_part-\{0\.\.1\}\.pt: "
+            r"the files hold model_parallel_size=2 \(2 model-parallel part\(s\)\)\. Drop --model-parallel-size to take "
+            r"the files' value, or pass oneload\.strategy=reshard to load onto model_parallel_size=1 anyway\.")):
+        fill_settings(metaseq_cfg(), mo.inspect(FIXTURES / "mp2_ddp"), explicit={"--model-parallel-size"})
+
+
+def test_a_non_default_value_counts_as_given():
+    cfg = metaseq_cfg(common={"model_parallel_size": 4})
+    with pytest.raises(CheckpointSettingsError, match=r"--model-parallel-size 4 .* model_parallel_size=1"):
+        fill_settings(cfg, mo.inspect(FIXTURES / "fsdp_dp3"))
+
+
+def test_backend_that_cannot_load_fsdp_shards():
+    cfg = metaseq_cfg(distributed_training={"ddp_backend": "c10d"})
+    with pytest.raises(CheckpointSettingsError, match=r"--ddp-backend c10d .* ddp_backend=fully_sharded \(FSDP shards, 3 per part\)"):
+        fill_settings(cfg, mo.inspect(FIXTURES / "fsdp_dp3"))
+
+
+def test_reshard_lets_the_user_win():
+    cfg = metaseq_cfg(distributed_training={"ddp_backend": "pytorch_ddp"})
+    changes = fill_settings(cfg, mo.inspect(FIXTURES / "mp2_dp2"), strategy="reshard",
+                            explicit={"--model-parallel-size", "--ddp-backend"})
+    # MP stays 1 and the backend stays DDP, which cannot save sharded state: not filled either.
+    assert values(cfg) == (1, 1, "pytorch_ddp", False) and changes == []
+
+
+def test_unflattened_files_leave_backend_and_sharded_state_to_the_user():
+    # e.g. fine-tuning a consolidated checkpoint with FSDP and sharded saving
+    cfg = metaseq_cfg(distributed_training={"ddp_backend": "fully_sharded", "use_sharded_state": True})
+    assert fill_settings(cfg, mo.inspect(FIXTURES / "singleton")) == []
+    assert values(cfg) == (1, 1, "fully_sharded", True)
+
+
+def test_fairseq_part_files(tmp_path):
+    # fairseq's checkpoint_shard_count > 1 layout: the FSDP shards named X_partK.pt
+    for k in range(2):
+        shutil.copy(FIXTURES / "shard_only" / f"checkpoint_2-shard{k}.pt", tmp_path / f"checkpoint_2_part{k}.pt")
+    layout = mo.inspect(tmp_path / "checkpoint_2_part0.pt")
+    cfg = metaseq_cfg()
+    fill_settings(cfg, layout)
+    assert values(cfg) == (1, 2, "pytorch_ddp", False)  # fairseq consolidates _part files while loading
+    with pytest.raises(CheckpointSettingsError, match=r"--checkpoint-shard-count 3 .* checkpoint_shard_count=2 \(2 _part file\(s\)\)"):
+        fill_settings(metaseq_cfg(checkpoint={"checkpoint_shard_count": 3}), layout)
+
+
+def test_sections_the_config_lacks_are_skipped():
+    cfg = OmegaConf.create({"common": {"model_parallel_size": 1}})
+    assert fill_settings(cfg, mo.inspect(FIXTURES / "mp2_dp2")) == [("common.model_parallel_size", 1, 2)]
+
+
+def test_checkpoint_path_evaluation_first():
+    cfg = metaseq_cfg(common_eval={"path": f"{FIXTURES / 'mp2_dp2' / 'checkpoint_last.pt'}:/other/model.pt"})
+    assert checkpoint_path(cfg) == str(FIXTURES / "mp2_dp2" / "checkpoint_last.pt")
+    assert checkpoint_path(cfg, "/given.pt") == "/given.pt"
+
+
+def test_checkpoint_path_training(tmp_path):
+    cfg = metaseq_cfg(checkpoint={"save_dir": str(tmp_path), "finetune_from_model": "/pretrained/reshard.pt"})
+    assert checkpoint_path(cfg) == "/pretrained/reshard.pt"  # nothing to resume: the fine-tune source
+    cfg.checkpoint.finetune_from_model = None
+    assert checkpoint_path(cfg) is None  # a first launch
+    for name in os.listdir(FIXTURES / "fsdp_dp3"):
+        shutil.copy(FIXTURES / "fsdp_dp3" / name, tmp_path / name)
+    assert checkpoint_path(cfg) == os.path.join(str(tmp_path), "checkpoint_last.pt")
+    cfg.checkpoint.restore_file = "/elsewhere/checkpoint_9.pt"
+    assert checkpoint_path(cfg) == "/elsewhere/checkpoint_9.pt"
