@@ -29,6 +29,7 @@ from ._errors import (
     OutputExistsError,
     StateDictMismatchError,
     UnsafeCheckpointError,
+    UnsupportedArchitectureError,
 )
 
 _LAZY = {
@@ -42,7 +43,9 @@ _LAZY = {
     "from_pretrained": ("._hf", "from_pretrained"),
     "empty_model": ("._hf", "empty_model"),
     "fully_shard_blocks": ("._hf", "fully_shard_blocks"),
+    "fsdp1_param_init_fn": ("._hf", "fsdp1_param_init_fn"),
     "export_hf": ("._hf_export", "export_hf"),
+    "HFExport": ("._hf_export", "HFExport"),
     "convert": ("._convert", "convert"),
     "consolidate": ("._convert", "consolidate"),
     "ConvertReport": ("._convert", "ConvertReport"),
@@ -72,6 +75,7 @@ __all__ = sorted(_LAZY) + [
     "DistributedLoadError",
     "ConversionError",
     "OutputExistsError",
+    "UnsupportedArchitectureError",
 ]
 
 __version__ = "0.1.0"

@@ -38,6 +38,15 @@ class OutputExistsError(ConversionError, FileExistsError):
     """A destination file exists and ``overwrite`` was not given, or it is a source file."""
 
 
+class UnsupportedArchitectureError(ConversionError):
+    """The checkpoint's architecture has settings Hugging Face OPT cannot express. Raised
+    before anything is written; ``settings`` names each one."""
+
+    def __init__(self, message: str, settings=()):
+        super().__init__(message)
+        self.settings = tuple(settings)
+
+
 class DistributedLoadError(OneloadError):
     """Raised on every rank when any rank of a collective load failed.
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
-import pytest
 
 from metaseq_oneload.cli import main
 from tests.conftest import FIXTURES, needs_fixtures
