@@ -312,15 +312,11 @@ class _Output:
 def _flat_pieces(g: FlatGroup, targets: Mapping[str, TargetTensor], shard: int, shards: int,
                  dtype: torch.dtype) -> tuple:
     """The pieces of rank ``shard``'s flat shard of ``g``: members, then zero padding."""
-    lo, hi, size = flat_shard_range(g.total_numel, shard, shards)
-    pieces, offset = [], 0
-    for n, numel in zip(g.names, g.numels):
-        a, b = max(lo, offset), min(hi, offset + numel)
-        if a < b:
-            pieces.append(Piece(targets[n], a - offset, b - a, dtype))
-        offset += numel
-    if size > hi - lo:
-        pieces.append(Piece(None, 0, size - (hi - lo), dtype))
+    members, size = g.shard_pieces(shard, shards)
+    pieces = [Piece(targets[n], start, stop - start, dtype) for n, start, stop, _ in members]
+    filled = sum(stop - start for _, start, stop, _ in members)
+    if size > filled:
+        pieces.append(Piece(None, 0, size - filled, dtype))
     return tuple(pieces), size
 
 

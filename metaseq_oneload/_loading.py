@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ._dist import Group, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, StoredTensor, discover
-from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part
+from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
 from ._reading import RangeReader
 
 __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
@@ -746,17 +746,14 @@ def load_checkpoint(
             dtypes = {targets[n].dtype for n in g.names}
             if len(dtypes) > 1:
                 raise StateDictMismatchError(f"{g.key}: members have mixed dtypes {sorted(map(str, dtypes))}.")
-            lo, hi, size = flat_shard_range(g.total_numel, dp.rank, dp.size)
+            pieces, size = g.shard_pieces(dp.rank, dp.size)
             local = torch.empty(size, dtype=dtypes.pop() if dtypes else torch.float32, device=device)
-            local[hi - lo:].zero_()  # fairscale pads the tail with zeros
+            filled = pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
+            local[filled:].zero_()  # fairscale pads the tail with zeros
             out[g.key] = local
-            offset = 0
-            for n, numel in zip(g.names, g.numels):
-                a, b = max(lo, offset), min(hi, offset + numel)
-                if a < b:
-                    wants.append(Want(n, a - offset, local[a - lo: b - lo]))
-                covered.add(n)
-                offset += numel
+            for n, start, stop, offset in pieces:
+                wants.append(Want(n, start, local[offset: offset + stop - start]))
+            covered.update(g.names)
         for name, t in targets.items():
             if name in covered or t.alias_of is not None:
                 continue
@@ -926,13 +923,7 @@ def load_into(
         mesh = next(t.device_mesh for t in entries.values() if _is_dtensor(t))
         process_group = mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
     if qkv is None:
-        keys = list(entries)
-        if any(k.endswith("self_attn.qkv_proj.weight") for k in keys):
-            qkv = "fused"
-        elif any(k.endswith("self_attn.k_proj.weight") for k in keys):
-            qkv = "split"
-        else:
-            qkv = "keep"
+        qkv = qkv_naming(entries)
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                     trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress)
     dp, mp = _groups(process_group, model_parallel_group)

@@ -45,6 +45,7 @@ __all__ = [
     "plan_part",
     "flat_shard_range",
     "canonical_numels",
+    "qkv_naming",
 ]
 
 _QKV_FUSED = (".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")
@@ -257,6 +258,18 @@ def _copies(target: Placement, local_shape: tuple, sources: Sequence) -> tuple:
     return tuple(out)
 
 
+def qkv_naming(names) -> str:
+    """How a model names its attention projections, from its parameter names: "fused"
+    (metaseq's ``qkv_proj``), "split" (``k_proj``/``v_proj``/``q_proj``), or "keep" when it
+    has neither (then stored names are left as they are)."""
+    names = list(names)
+    if any(n.endswith("self_attn.qkv_proj.weight") for n in names):
+        return "fused"
+    if any(n.endswith("self_attn.k_proj.weight") for n in names):
+        return "split"
+    return "keep"
+
+
 def _qkv_style(layout: CheckpointLayout, qkv: str) -> str:
     if qkv not in ("auto", "fused", "split", "keep"):
         raise ValueError(f"qkv={qkv!r}: expected 'auto', 'fused', 'split' or 'keep'.")
@@ -309,6 +322,11 @@ def canonical_numels(layout: CheckpointLayout) -> int:
     return total
 
 
+def _cast(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
+    """A requested dtype applies to floating-point tensors; integer buffers keep theirs."""
+    return wanted if wanted is not None and stored.is_floating_point else stored
+
+
 def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, qkv: str = "auto",
               rules: Optional[Mapping[str, str]] = None, dtype: Optional[torch.dtype] = None,
               tied: bool = True) -> dict:
@@ -340,7 +358,7 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
     for stored_name, stored in order_part.tensors.items():
         if stored_name in unknown:
             src = unknown[stored_name][target_part if saved == target_parts else 0]
-            out[stored_name] = TargetTensor(stored_name, src.shape, dtype or src.dtype,
+            out[stored_name] = TargetTensor(stored_name, src.shape, _cast(src.dtype, dtype),
                                             (FlatCopy(src, 0, 0, src.numel),))
             continue
         p = place(stored_name, stored.shape, order_part.index, saved, rules, fuse_split)
@@ -377,7 +395,7 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
                     local[tp.dim] = sum(n for _, _, n in tp.segments)
                 local = tuple(local)
             src_dtype = entry["sources"][0][0].dtype
-            out[name] = TargetTensor(name, local, dtype or src_dtype, _copies(tp, local, entry["sources"]))
+            out[name] = TargetTensor(name, local, _cast(src_dtype, dtype), _copies(tp, local, entry["sources"]))
     if tied:
         shared = list(layout.parts[0].shared)
         if not shared and layout.model_args().get("share_decoder_input_output_embed"):
@@ -415,6 +433,20 @@ class FlatGroup:
     @property
     def total_numel(self) -> int:
         return sum(self.numels)
+
+    def shard_pieces(self, rank: int, world: int) -> tuple:
+        """(pieces, local size) of ``rank``'s fairscale shard of this flat parameter for
+        ``world`` ranks: ``(name, start, stop, offset)`` per member overlapping the shard
+        (an element range of that member, landing at ``offset`` in the shard); the shard's
+        tail from the last piece's end to the local size is zero padding."""
+        lo, hi, size = flat_shard_range(self.total_numel, rank, world)
+        pieces, offset = [], 0
+        for name, numel in zip(self.names, self.numels):
+            a, b = max(lo, offset), min(hi, offset + numel)
+            if a < b:
+                pieces.append((name, a - offset, b - offset, a - lo))
+            offset += numel
+        return tuple(pieces), size
 
 
 @dataclass(frozen=True)
