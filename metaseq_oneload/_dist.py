@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._errors import DistributedLoadError
 
-__all__ = ["Group", "settle"]
+__all__ = ["Group", "PeerFailure", "settle", "first_failure"]
 
 
 class Group:
@@ -35,6 +35,10 @@ class Group:
         self.group = group
         self.active = group is not None and dist.is_available() and dist.is_initialized()
         if self.active:
+            if dist.get_rank(group) < 0:
+                raise ValueError(
+                    f"rank {dist.get_rank()} is not a member of the process group it passed; pass the "
+                    "groups this rank belongs to (every rank calls with its own data- and model-parallel group).")
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             self.global_rank = dist.get_rank()
@@ -44,6 +48,20 @@ class Group:
         else:
             self.rank, self.size, self.global_rank = 0, 1, 0
             self.device = torch.device("cpu")
+
+    def members(self) -> tuple:
+        """Global ranks of the group (this rank alone without one)."""
+        if not self.active:
+            return (self.global_rank,)
+        return tuple(dist.get_process_group_ranks(self.group))
+
+    def all_max(self, value: int) -> int:
+        """(collective) The largest ``value`` over the group."""
+        if not self.active or self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
 
     def global_of(self, local_rank: int) -> int:
         return dist.get_global_rank(self.group, local_rank) if self.active else local_rank
@@ -91,6 +109,22 @@ class Group:
         return [json.loads(b) for b in self.all_gather_bytes(json.dumps(obj).encode())]
 
 
+class PeerFailure(Exception):
+    """This rank is fine, but another rank of its group failed (see :func:`first_failure`)."""
+
+
+def first_failure(group: Group, error: Optional[BaseException]) -> Optional[BaseException]:
+    """(collective over ``group``) This rank's error, or, if another rank of the group
+    failed, an error saying so; None when all went well. Never raises: a section that only
+    one data-parallel group runs (its broadcast loop) uses it to stop in step, and carries
+    the error to the next :func:`settle`, which every rank of the grid reaches."""
+    if not group.active or group.size == 1:
+        return error
+    if group.all_max(0 if error is None else 1) and error is None:
+        return PeerFailure("another rank of this group failed")
+    return error
+
+
 def settle(groups: Sequence[Group], error: Optional[BaseException], what: str) -> None:
     """(collective over every group given) Raise on every rank if any rank failed.
 
@@ -104,7 +138,8 @@ def settle(groups: Sequence[Group], error: Optional[BaseException], what: str) -
         return
     me = active[0].global_rank
     failures: dict = {}
-    if error is not None:
+    # A rank that only learned of another's failure (first_failure) adds nothing itself.
+    if error is not None and not isinstance(error, PeerFailure):
         failures[str(me)] = f"{type(error).__name__}: {error}"
     for g in active:
         for gathered in g.all_gather_json(failures):
@@ -117,4 +152,4 @@ def settle(groups: Sequence[Group], error: Optional[BaseException], what: str) -
         f"{what} failed on {len(ranks)} rank(s) ({', '.join(map(str, ranks))}); every rank stops here.\n"
         f"{lines}",
         {r: failures[str(r)] for r in ranks},
-    ) from error
+    ) from (None if isinstance(error, PeerFailure) else error)

@@ -110,8 +110,8 @@ def _weight_files(path: str) -> tuple:
 def discover_hf(path: str, *, trust_pickle: bool = False):
     """(any rank, local) The one-part layout of a Hugging Face folder or weight file."""
     from ._layout import (CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, ModelPart, StoredTensor,
-                          _direct_extent, _model_dict)
-    from ._reading import Extent, _file_kind, read_header
+                          _direct_extent, _format, _model_dict)
+    from ._reading import Extent, read_header
 
     folder, files, weight_map = _weight_files(os.fspath(path))
     tensors: dict = {}
@@ -136,7 +136,7 @@ def discover_hf(path: str, *, trust_pickle: bool = False):
             model = _model_dict(obj)
             if model is None:
                 raise CheckpointLayoutError(f"{p}: not a state dict of tensors.")
-            fmt = _file_kind(p)
+            fmt = _format(p)
             for name, t in model.items():
                 tensors[name] = StoredTensor(name, 0, t.dtype, tuple(t.shape), (_direct_extent(p, fmt, obj, name, t),))
     if weight_map is not None:
@@ -152,7 +152,7 @@ def discover_hf(path: str, *, trust_pickle: bool = False):
         prefix=stem,
         name=FileName(stem),
         files=(tuple(CheckpointFile(p, 0, i, os.path.getsize(p), "safetensors" if p.endswith(".safetensors")
-                                    else _file_kind(p)) for i, p in enumerate(files)),),
+                                    else _format(p)) for i, p in enumerate(files)),),
         parts=(ModelPart(0, tensors, (), tuple(n for n in tensors if n.endswith(".version")), ()),),
         cfg=CheckpointSettings(),
         metadata_key=None,

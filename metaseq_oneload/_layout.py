@@ -23,6 +23,7 @@ import concurrent.futures
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError
-from ._reading import Extent, _file_kind, key_path, read_header, storage_byte_offset
+from ._reading import Extent, _file_kind, key_path, range_readable, read_header, storage_byte_offset
 
 __all__ = ["FileName", "CheckpointLayout", "discover"]
 
@@ -93,7 +94,7 @@ class CheckpointFile:
     part: int
     shard: int
     size: int
-    format: str  # "zip" or "safetensors" (range-readable), "legacy" (read whole)
+    format: str  # "zip", "safetensors" (read in place); "zip-packed", "legacy" (read whole)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class CheckpointLayout:
     num_updates: Optional[int]
     flavor: str = "pytorch"  # "metaseq", "fairseq" or "pytorch" (a bare state dict)
     warnings: tuple = field(default=())
+    trust_pickle: bool = False  # how the headers were (and are again) unpickled
 
     @property
     def model_parallel_size(self) -> int:
@@ -265,7 +267,7 @@ class CheckpointLayout:
 
     def header(self, part: int = 0, shard: int = 0) -> Any:
         """(local) The pickled object of one file, tensors on ``meta`` (cached)."""
-        return read_header(self.files[part][shard].path)
+        return read_header(self.files[part][shard].path, trust_pickle=self.trust_pickle)
 
     def to_dict(self) -> dict:
         """JSON-ready summary; the fields are documented in docs/inspect.md."""
@@ -314,6 +316,7 @@ class CheckpointLayout:
         before reading, so a rank that sees other files makes every rank stop."""
         # File names, not paths: ranks may mount the same files at different places.
         desc = {
+            "num_updates": self.num_updates,  # two saves can have the same names and sizes
             "files": [[(os.path.basename(f.path), f.size) for f in row] for row in self.files],
             "tensors": [
                 [(t.name, str(t.dtype), list(t.shape),
@@ -483,7 +486,8 @@ def _resolve_set(path: str) -> _FileSet:
     if os.path.isdir(path):
         entries = _scan(path)
         if not entries:
-            raise CheckpointLayoutError(
+            # Not "damaged": an empty folder is what a rank sees where a mount is missing.
+            raise CheckpointNotFoundError(
                 f"{path}: the folder holds no *.pt files; expected a checkpoint such as "
                 "checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
             )
@@ -634,6 +638,15 @@ def _direct_extent(path: str, fmt: str, obj: Mapping, name: str, t: torch.Tensor
     return Extent(path, _model_key(obj, name), 0, t.numel(), offset)
 
 
+def _format(path: str) -> str:
+    """"zip" when tensors can be read in place, "zip-packed" for a zip whose records are
+    compressed or big-endian, "legacy" for torch's pre-1.6 format (both read whole)."""
+    kind = _file_kind(path)
+    if kind == "zip" and not range_readable(path):
+        return "zip-packed"
+    return kind
+
+
 def _fmt_list(xs: Iterable[int]) -> str:
     return ",".join(str(x) for x in xs)
 
@@ -739,6 +752,14 @@ def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, m
             fp = FlatParam(key, fsdp_path, names, tuple(tuple(int(x) for x in s) for s in v["shapes"]),
                            tuple(int(x) for x in v["numels"]), tuple(shard_numels), tuple(paddings),
                            models[0][key].dtype)
+            bad = [(n, s, k) for n, s, k in zip(fp.names, fp.shapes, fp.numels) if math.prod(s) != k]
+            if bad or not len(fp.names) == len(fp.shapes) == len(fp.numels):
+                raise CheckpointLayoutError(
+                    f"{files[0].path}: {metadata_key} of {key} is inconsistent: "
+                    + (f"{bad[0][0]} has shape {bad[0][1]} but numel {bad[0][2]}" if bad else
+                       f"{len(fp.names)} names, {len(fp.shapes)} shapes, {len(fp.numels)} numels")
+                    + ". The metadata was edited or damaged."
+                )
             _check_flat(fp, files)
             flat_params.append(fp)
             tensors.update(_unflatten(fp, index, files, headers))
@@ -875,7 +896,7 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
             )
 
     files = tuple(
-        tuple(CheckpointFile(p, m, d, os.path.getsize(p), _file_kind(p)) for d, p in enumerate(row))
+        tuple(CheckpointFile(p, m, d, os.path.getsize(p), _format(p)) for d, p in enumerate(row))
         for m, row in enumerate(grid)
     )
     # Mixed saves: every file of one save carries the same update count and position.
@@ -939,4 +960,5 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
         num_updates=updates,
         flavor=flavor,
         warnings=tuple(warnings),
+        trust_pickle=trust_pickle,
     )

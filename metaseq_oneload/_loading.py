@@ -28,6 +28,7 @@ With no process group at all everything runs locally in one process (no collecti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._dist import Group, settle
+from ._dist import Group, PeerFailure, first_failure, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, StoredTensor, discover
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
@@ -88,6 +89,7 @@ class LoadReport:
     seconds: float
     verified: bool = False
     warnings: tuple = field(default=())
+    unloaded: tuple = field(default=())  # load_into, strict=False: module tensors the checkpoint lacks
 
     def line(self) -> str:
         return (f"oneload: strategy={self.strategy} ({self.reason}); saved {self.saved_model_parallel}x"
@@ -139,14 +141,19 @@ class _Options:
 def _read_stored(src: StoredTensor, start: int, out: torch.Tensor, reader) -> None:
     """Elements ``start..`` of a stored tensor (flattened) into 1-D ``out``."""
     n = out.numel()
-    pos = 0
+    pos, filled = 0, 0
     for ext in src.extents:
         lo, hi = max(start, pos), min(start + n, pos + ext.numel)
         if lo < hi:
             reader.read_extent(ext, lo - pos, out[lo - start: hi - start], src.dtype)
+            filled += hi - lo
         pos += ext.numel
         if pos >= start + n:
             break
+    if filled != n:  # never leave part of a destination silently unwritten
+        raise CheckpointLayoutError(
+            f"{src.name}: the stored pieces cover {filled} of the {n} elements wanted at offset {start} "
+            f"(the tensor holds {src.numel}); the checkpoint's metadata does not match its tensors.")
 
 
 def _fill(target: TargetTensor, out: torch.Tensor, start: int, reader) -> None:
@@ -166,12 +173,20 @@ def _fill_block(c: BlockCopy, out: torch.Tensor, start: int, stop: int, reader) 
     dc, sc = c.dst_cols, c.src_cols
     first, last = start // dc, min(c.rows, -(-stop // dc))
     itemsize = torch.empty((), dtype=c.src.dtype).element_size()
-    step = max(1, reader.chunk_bytes // max(1, sc * itemsize))
+    # Splitting a row-parallel weight wants a column block of every row: read just those
+    # runs (one per row) rather than whole rows when they are at most half of each row.
+    narrow = 2 * c.ncols <= sc
+    step = max(1, reader.chunk_bytes // max(1, (c.ncols if narrow else sc) * itemsize))
     for r0 in range(first, last, step):
         r1 = min(last, r0 + step)
-        rows = torch.empty((r1 - r0) * sc, dtype=c.src.dtype)
-        _read_stored(c.src, r0 * sc, rows, reader)
-        block = rows.view(r1 - r0, sc)[:, c.src_col0: c.src_col0 + c.ncols]
+        if narrow:
+            block = torch.empty((r1 - r0, c.ncols), dtype=c.src.dtype)
+            for r in range(r0, r1):
+                _read_stored(c.src, r * sc + c.src_col0, block[r - r0], reader)
+        else:
+            rows = torch.empty((r1 - r0) * sc, dtype=c.src.dtype)
+            _read_stored(c.src, r0 * sc, rows, reader)
+            block = rows.view(r1 - r0, sc)[:, c.src_col0: c.src_col0 + c.ncols]
         if start <= r0 * dc and r1 * dc <= stop:
             out[r0 * dc - start: r1 * dc - start].view(r1 - r0, dc)[:, c.dst_col0: c.dst_col0 + c.ncols].copy_(block)
             continue
@@ -194,8 +209,10 @@ class _MmapReader:
         out.copy_(self.inner.read_from_mmap(ext, start, out.numel()))
 
 
-def _fingerprint(target: TargetTensor, start: int, stop: int, reader, chunk_bytes: int) -> float:
-    """float64 sum of ``target`` elements ``start..stop`` read through ``reader``."""
+def _fingerprint(target: TargetTensor, start: int, stop: int, reader, chunk_bytes: int,
+                 dtype: Optional[torch.dtype] = None) -> float:
+    """float64 sum of ``target`` elements ``start..stop`` read through ``reader``, as they
+    look once cast to ``dtype`` (the destination's; default the target's)."""
     itemsize = torch.empty((), dtype=target.dtype).element_size()
     step = max(1, chunk_bytes // itemsize)
     total = 0.0
@@ -203,8 +220,14 @@ def _fingerprint(target: TargetTensor, start: int, stop: int, reader, chunk_byte
         hi = min(stop, lo + step)
         tmp = torch.empty(hi - lo, dtype=target.dtype)
         _fill(target, tmp, lo, reader)
-        total += float(tmp.double().sum())
+        total += _sum64(tmp.to(dtype or target.dtype))
     return total
+
+
+def _sum64(t: torch.Tensor, step: int = 1 << 20) -> float:
+    """float64 sum of a 1-D tensor, a chunk at a time (no float64 copy of the whole)."""
+    t = t.detach()
+    return sum(float(t[i: i + step].double().sum()) for i in range(0, t.numel(), step))
 
 
 def _close(a: float, b: float, n: int) -> bool:
@@ -322,58 +345,53 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
                     reader: Optional[RangeReader], opts: _Options, direct: bool, progress) -> tuple:
     """(collective over ``dp``) Rank 0 reads and broadcasts; everyone copies what it
     wants. For loads where every rank wants everything (``flat=False``). Returns (this
-    rank's error or None, per-target sums of what arrived, for verify)."""
+    rank's error or None, per-target sums of what arrived, for verify). Never raises: the
+    caller settles, so every rank leaves the loop after the same collectives."""
     by_name: dict = {}
     for w in wants:
         by_name.setdefault(w.name, []).append(w)
-    error: Optional[BaseException] = None
     sums: dict = {}
-    bucket = None
+    schedule = _schedule(targets, opts.bucket_bytes, direct)
     status = torch.zeros(1, dtype=torch.int64, device=dp.device)
-    for is_direct, entries in _schedule(targets, opts.bucket_bytes, direct):
+    bucket, error = None, None
+    try:
+        if any(not is_direct for is_direct, _ in schedule):
+            bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
+    except Exception as exc:  # e.g. out of (GPU) memory: say so before anyone waits
+        error = exc
+    error = first_failure(dp, error)
+    if error is not None:
+        return error, sums
+    for is_direct, entries in schedule:
         if is_direct:
             e = entries[0]
-            w = by_name[e.name][0]
-            view = w.out[e.start: e.start + e.length]
-            if dp.rank == 0:
-                try:
-                    _fill(targets[e.name], view, e.start, reader)
-                    status.fill_(0)
-                except Exception as exc:  # announce it, so receivers do not wait forever
-                    error, _ = exc, status.fill_(1)
-            dp.broadcast(status)
-            if int(status.item()):
-                break
-            dp.broadcast(view)
-            if opts.verify:
-                sums[e.name] = sums.get(e.name, 0.0) + float(view.double().sum())
-            if progress:
-                progress(e.length * view.element_size())
-            continue
-        if bucket is None:
-            bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
-        views = _bucket_views(bucket, entries, targets)
+            views = [by_name[e.name][0].out[e.start: e.start + e.length]]
+        else:
+            views = _bucket_views(bucket, entries, targets)
         if dp.rank == 0:
             try:
                 for e, v in zip(entries, views):
                     _fill(targets[e.name], v, e.start, reader)
                 status.fill_(0)
-            except Exception as exc:
+            except Exception as exc:  # announce it, so receivers do not wait forever
                 error, _ = exc, status.fill_(1)
         dp.broadcast(status)
         if int(status.item()):
             break
-        used = entries[-1].offset + views[-1].numel() * views[-1].element_size()
-        dp.broadcast(bucket[:used])
+        if is_direct:
+            dp.broadcast(views[0])
+        else:
+            dp.broadcast(bucket[: entries[-1].offset + views[-1].numel() * views[-1].element_size()])
         if error is not None:
-            continue  # this receiver already failed; keep the stream in step, copy nothing
+            continue  # this rank already failed; keep the stream in step, copy nothing
         try:
             for e, v in zip(entries, views):
                 if opts.verify:
-                    sums[e.name] = sums.get(e.name, 0.0) + float(v.double().sum())
-                _scatter_local(by_name.get(e.name, ()), e, v)
-                if progress:
-                    progress(v.numel() * v.element_size())
+                    sums[e.name] = sums.get(e.name, 0.0) + _sum64(v)
+                if not is_direct:
+                    _scatter_local(by_name.get(e.name, ()), e, v)
+            if progress:
+                progress(sum(v.numel() * v.element_size() for v in views))
         except Exception as exc:
             error = exc
     return error, sums
@@ -397,16 +415,24 @@ def _scatter_local(wants: Sequence[Want], e: _Entry, v: torch.Tensor) -> None:
 
 
 def _pieces(entries: Sequence[_Entry], ranges: Sequence) -> list:
-    """(entry index, rank, lo, hi) for every piece of these entries some rank wants, in
-    the one order every rank walks."""
+    """(entry index, rank, lo, hi, want index on that rank) for every piece of these
+    entries some rank wants, in the one order every rank walks."""
     out = []
     for i, e in enumerate(entries):
         for r, rr in enumerate(ranges):
-            for name, start, stop in rr.get(e.name, ()):
+            for name, start, stop, _, k in rr.get(e.name, ()):
                 lo, hi = max(start, e.start), min(stop, e.start + e.length)
                 if lo < hi:
-                    out.append((i, r, lo, hi))
+                    out.append((i, r, lo, hi, k))
     return out
+
+
+def _want_ranges(wants: Sequence[Want]) -> dict:
+    """This rank's wants as JSON: name -> [[name, start, stop, dtype, index in wants], ...]."""
+    mine: dict = {}
+    for k, w in enumerate(wants):
+        mine.setdefault(w.name, []).append([w.name, w.start, w.stop, str(w.out.dtype).replace("torch.", ""), k])
+    return mine
 
 
 def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
@@ -414,18 +440,22 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
     """(collective over ``dp``) Rank 0 reads a bucket at a time and sends every rank
     exactly its pieces, point to point; receivers take them straight into their output
     tensors. For loads where ranks want different pieces (flat shards, DTensor shards):
-    each byte crosses the wire once, and receivers hold no bucket.
-    Returns (this rank's error or None, {rank: {name: expected sum}} on rank 0 for verify)."""
-    mine = {}
-    for w in wants:
-        mine.setdefault(w.name, []).append([w.name, w.start, w.stop])
-    ranges = dp.all_gather_json(mine) if dp.active else [mine]
+    each byte crosses the wire once, and receivers hold no bucket. Returns (this rank's
+    error or None, every rank's wanted ranges). Never raises (see _broadcast_loop)."""
+    ranges = dp.all_gather_json(_want_ranges(wants)) if dp.active else [_want_ranges(wants)]
     by_name: dict = {}
     for w in wants:
         by_name.setdefault(w.name, []).append(w)
-    error: Optional[BaseException] = None
     status = torch.zeros(1, dtype=torch.int64, device=dp.device)
-    bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device) if dp.rank == 0 else None
+    bucket, error = None, None
+    try:
+        if dp.rank == 0:
+            bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
+    except Exception as exc:
+        error = exc
+    error = first_failure(dp, error)
+    if error is not None:
+        return error, ranges
     tag = 0
     for _, entries in _schedule(targets, opts.bucket_bytes, direct=False):
         pieces = _pieces(entries, ranges)
@@ -436,49 +466,56 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
             try:
                 for e, v in zip(entries, views):
                     _fill(targets[e.name], v, e.start, reader)
+                for e, v in zip(entries, views):
+                    _scatter_local(by_name.get(e.name, ()), e, v)
+                if progress:
+                    progress(sum(v.numel() * v.element_size() for v in views))
                 status.fill_(0)
             except Exception as exc:  # announce it, so receivers do not wait forever
                 error, _ = exc, status.fill_(1)
         dp.broadcast(status)
         if int(status.item()):
             break
-        handles, landing = [], []
-        for i, r, lo, hi in pieces:
-            tag += 1
-            e = entries[i]
-            if dp.rank == 0:
-                src = views[i][lo - e.start: hi - e.start]
-                if r == 0:
-                    _scatter_local(by_name.get(e.name, ()), e, views[i])
-                else:
-                    handles.append(dist.isend(src, dst=dp.global_of(r), group=dp.group, tag=tag))
-                continue
-            if r != dp.rank:
-                continue
-            for w in by_name.get(e.name, ()):
-                a, b = max(lo, w.start), min(hi, w.stop)
-                if (a, b) != (lo, hi):
-                    continue
-                out = w.out[lo - w.start: hi - w.start]
-                t = targets[e.name]
-                if out.dtype == t.dtype and out.device == dp.device and out.is_contiguous():
-                    handles.append(dist.irecv(out, src=dp.global_of(0), group=dp.group, tag=tag))
-                else:
-                    tmp = torch.empty(hi - lo, dtype=t.dtype, device=dp.device)
-                    handles.append(dist.irecv(tmp, src=dp.global_of(0), group=dp.group, tag=tag))
-                    landing.append((out, tmp))
-                break
+        # Receivers get their landing places ready; only if all can does anyone send.
+        posts, landing, got = {}, [], 0
+        if dp.rank != 0 and error is None:
+            try:
+                for k, (i, r, lo, hi, widx) in enumerate(pieces):
+                    if r != dp.rank:
+                        continue
+                    e = entries[i]
+                    w = wants[widx]
+                    out = w.out[lo - w.start: hi - w.start]
+                    t = targets[e.name]
+                    if out.dtype == t.dtype and out.device == dp.device and out.is_contiguous():
+                        posts[k] = out
+                    else:
+                        posts[k] = torch.empty(hi - lo, dtype=t.dtype, device=dp.device)
+                        landing.append((out, posts[k]))
+                    got += (hi - lo) * out.element_size()
+            except Exception as exc:
+                error = exc
+        if dp.all_max(0 if error is None else 1):
+            break
+        handles = []
+        for k, (i, r, lo, hi, _) in enumerate(pieces):
+            if dp.rank == 0 and r != 0:
+                e = entries[i]
+                handles.append(dist.isend(views[i][lo - e.start: hi - e.start], dst=dp.global_of(r),
+                                          group=dp.group, tag=tag + k))
+            elif k in posts:
+                handles.append(dist.irecv(posts[k], src=dp.global_of(0), group=dp.group, tag=tag + k))
+        tag += len(pieces)
         for h in handles:
             h.wait()
-        try:
-            for out, tmp in landing:
-                out.copy_(tmp)
-        except Exception as exc:
-            error = error or exc
-        if progress:
-            progress(sum(v.numel() * v.element_size() for v in views) if views else
-                     sum((hi - lo) * by_name[entries[i].name][0].out.element_size()
-                         for i, r, lo, hi in pieces if r == dp.rank))
+        if dp.rank != 0:
+            try:
+                for out, tmp in landing:
+                    out.copy_(tmp)
+                if progress and got:
+                    progress(got)
+            except Exception as exc:
+                error = exc
     return error, ranges
 
 
@@ -528,13 +565,24 @@ def _progress_bar(enabled, total: int, rank: int):
     return bar.update, bar
 
 
+def _problems(dp: Group, mp: Group) -> Optional[str]:
+    """What is wrong with the groups as this rank sees them (checked before any read)."""
+    if dp.active and mp.active and dp.size > 1 and mp.size > 1:
+        shared = set(dp.members()) & set(mp.members())
+        if shared != {dp.global_rank}:
+            return (f"the data-parallel group {list(dp.members())} and the model-parallel group "
+                    f"{list(mp.members())} share ranks {sorted(shared)}; they must meet in this rank only "
+                    "(pass process_group=<data-parallel group>, model_parallel_group=<model-parallel group>)")
+    return None
+
+
 def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_from: Optional[Mapping],
             make_wants: Callable) -> tuple:
-    """(collective over both groups) Discover, agree, plan, read. Returns
+    """(collective over both groups) Discover, agree, plan, read, verify. Returns
     (layout or None, targets, structure, report)."""
     t0 = time.perf_counter()
     groups = (dp, mp)
-    # 1. Discover, then agree on what everyone sees.
+    # 1. Discover, then agree on what everyone sees and asks for.
     layout, err = None, None
     try:
         layout = path if isinstance(path, CheckpointLayout) else discover(path, trust_pickle=opts.trust_pickle)
@@ -544,6 +592,8 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         path = path.display_name
     if not dp.active and not mp.active and err is not None:
         raise err
+    asked = [opts.strategy, flat, opts.bucket_mb, opts.chunk_mb, opts.verify, opts.qkv, str(opts.dtype),
+             mp.size, dp.size]
     info = {
         "rank": dp.global_rank,
         "ok": layout is not None,
@@ -551,11 +601,29 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         "fp": layout.fingerprint() if layout is not None else None,
         "err": None if err is None else f"{type(err).__name__}: {err}",
         "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
+        "mp_rank": mp.rank,
+        "asked": asked,
+        "problem": _problems(dp, mp),
     }
     dp_infos = dp.all_gather_json(info) if dp.active else [info]
     mp_infos = mp.all_gather_json(info) if mp.active else [info]
     strategy, reason, error = None, "", None
     try:
+        for i in dp_infos + mp_infos:
+            if i["problem"]:
+                raise ValueError(f"rank {i['rank']}: {i['problem']}")
+        for infos, what in ((dp_infos, "data-parallel"), (mp_infos, "model-parallel")):
+            odd = [i for i in infos if i["asked"] != infos[0]["asked"]]
+            if odd:
+                raise ValueError(
+                    f"ranks of one {what} group called with different options: rank {infos[0]['rank']} "
+                    f"{infos[0]['asked']} vs rank {odd[0]['rank']} {odd[0]['asked']} (strategy, flat, bucket_mb, "
+                    "chunk_mb, verify, qkv, dtype, model-parallel size, data-parallel size); pass the same on every rank.")
+        if len({i["mp_rank"] for i in dp_infos}) > 1:
+            raise ValueError(
+                "the ranks of this data-parallel group hold different model-parallel parts "
+                f"({sorted({(i['rank'], i['mp_rank']) for i in dp_infos})}): process_group must join ranks that hold "
+                "the same part (Megatron's data-parallel group), model_parallel_group the parts of one replica.")
         if err is not None and isinstance(err, (OneloadError, OSError)) and all(not i["ok"] for i in dp_infos):
             raise err
         strategy, reason = _choose(opts, dp_infos, layout, mp.size, dp.size, flat, dp)
@@ -569,114 +637,85 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         error = e
     settle(groups, error, f"loading {path}: agreeing on the checkpoint")
 
-    # 2. Plan: the reader of each data-parallel group plans; with broadcast it tells the others.
-    targets, structure, wants, error = None, None, None, None
+    reader = RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle) if layout is not None else None
     try:
-        if layout is not None and (strategy != "broadcast" or dp.rank == 0):
-            targets = plan_part(layout, mp.size, mp.rank, qkv=opts.qkv, rules=opts.rules, dtype=opts.dtype)
-            if flat:
-                structure = (FlatStructure.from_metadata(structure_from) if structure_from is not None
-                             else FlatStructure.from_layout(layout, targets))
-                structure.check_against(targets)
-    except Exception as e:
-        error = e
-    settle(groups, error, f"loading {path}: planning")
-    if strategy == "broadcast":
-        payload = dp.broadcast_bytes(_spec(targets, structure) if dp.rank == 0 else None)
-        if dp.rank != 0:
-            targets, structure = _unspec(payload)
-    error = None
-    try:
-        wants = make_wants(targets, structure, layout)
-    except Exception as e:
-        error = e
-    settle(groups, error, f"loading {path}: matching the target")
-
-    # 3. Read.
-    if layout is not None:
-        reader = RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle)
-    else:
-        reader = None
-    total = sum(w.out.numel() * w.out.element_size() for w in wants)
-    progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
-    sums: dict = {}
-    mode, all_ranges = strategy, None
-    error = None
-    if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
-        logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
-    with bar:
-        if strategy == "broadcast":
-            whole = len(wants) == sum(1 for t in targets.values() if t.alias_of is None) and all(
-                w.start == 0 and w.out.numel() == targets[w.name].numel for w in wants)
-            direct_ok = whole and all(_direct_capable(w, targets, dp) for w in wants)
-            votes = dp.all_gather_json([whole, direct_ok]) if dp.active else [[whole, direct_ok]]
-            if all(v[0] for v in votes):
-                mode = "broadcast"
-                error, sums = _broadcast_loop(dp, targets, wants, reader, opts, all(v[1] for v in votes), progress)
-            else:
-                mode = "scatter"
-                error, all_ranges = _scatter_loop(dp, targets, wants, reader, opts, progress)
-        else:
-            try:
-                for w in wants:
-                    _fill(targets[w.name], w.out, w.start, reader)
-                    if progress:
-                        progress(w.out.numel() * w.out.element_size())
-            except Exception as e:
-                error = e
-    settle(groups, error, f"loading {path}: reading")
-
-    # 4. Verify against torch's own reading of the same files.
-    verified = False
-    if opts.verify:
-        error = None
+        # 2. Plan: the reader of each data-parallel group plans; with broadcast it tells the others.
+        targets, structure, wants, error = None, None, None, None
         try:
-            if strategy == "broadcast" and mode == "broadcast":
-                expected = {}
-                if dp.rank == 0:
-                    mm = _MmapReader(reader)
-                    expected = {n: _fingerprint(t, 0, t.numel, mm, opts.chunk_bytes)
-                                for n, t in targets.items() if t.alias_of is None}
-                expected = json.loads(dp.broadcast_bytes(json.dumps(expected).encode() if dp.rank == 0 else None))
-                for n, got in sums.items():
-                    if not _close(got, expected[n], targets[n].numel):
-                        raise OneloadError(f"verify: {n}: received sum {got!r} != source sum {expected[n]!r}")
-            elif strategy == "broadcast":
-                # The reader computes what every rank should hold, through torch's own
-                # reading of the files; each rank compares with what it received.
-                expected = []
-                if dp.rank == 0:
-                    mm = _MmapReader(reader)
-                    expected = [[_fingerprint(targets[n], a, b, mm, opts.chunk_bytes)
-                                 for rr in r.values() for n, a, b in rr] for r in all_ranges]
-                expected = json.loads(dp.broadcast_bytes(json.dumps(expected).encode() if dp.rank == 0 else None))
-                mine = [w for rr in all_ranges[dp.rank].values() for w in rr]
-                by_key = {(w.name, w.start, w.stop): w for w in wants}
-                for (n, a, b), exp in zip(mine, expected[dp.rank]):
-                    got = float(by_key[(n, a, b)].out.detach().double().sum())
-                    if not _close(got, exp, b - a):
-                        raise OneloadError(f"verify: {n}[{a}:{b}]: received sum {got!r} != source sum {exp!r}")
-            else:
-                mm = _MmapReader(reader)
-                for w in wants:
-                    got = float(w.out.detach().double().sum())
-                    exp = _fingerprint(targets[w.name], w.start, w.stop, mm, opts.chunk_bytes)
-                    if not _close(got, exp, w.out.numel()):
-                        raise OneloadError(
-                            f"verify: {w.name}[{w.start}:{w.stop}]: loaded sum {got!r} != source sum {exp!r}")
-            verified = True
+            if layout is not None and (strategy != "broadcast" or dp.rank == 0):
+                targets = plan_part(layout, mp.size, mp.rank, qkv=opts.qkv, rules=opts.rules, dtype=opts.dtype)
+                if flat:
+                    structure = (FlatStructure.from_metadata(structure_from) if structure_from is not None
+                                 else FlatStructure.from_layout(layout, targets))
+                    structure.check_against(targets)
         except Exception as e:
             error = e
-        settle(groups, error, f"loading {path}: verifying")
-    if reader is not None:
-        reader.close()
-    summary = layout if layout is not None else None
+        settle(groups, error, f"loading {path}: planning")
+        error = None
+        if strategy == "broadcast":
+            payload = None
+            if dp.rank == 0:
+                try:
+                    payload = _spec(targets, structure)
+                except Exception as e:  # still send something: the others are waiting for it
+                    error, payload = e, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+            payload = dp.broadcast_bytes(payload)
+            if dp.rank != 0:
+                try:
+                    targets, structure = _unspec(payload)
+                except Exception as e:
+                    error = e
+        try:
+            if error is None:
+                wants = _resolve_aliases(make_wants(targets, structure, layout), targets)
+        except Exception as e:
+            error = e
+        settle(groups, error, f"loading {path}: matching the target")
+
+        # 3. Read.
+        total = sum(w.out.numel() * w.out.element_size() for w in wants)
+        progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
+        sums: dict = {}
+        mode, all_ranges, error = strategy, None, None
+        if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
+            logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
+        with bar:
+            if strategy == "broadcast":
+                whole = len(wants) == sum(1 for t in targets.values() if t.alias_of is None) and all(
+                    w.start == 0 and w.out.numel() == targets[w.name].numel for w in wants)
+                direct_ok = whole and all(_direct_capable(w, targets, dp) for w in wants)
+                votes = dp.all_gather_json([whole, direct_ok]) if dp.active else [[whole, direct_ok]]
+                if all(v[0] for v in votes):
+                    error, sums = _broadcast_loop(dp, targets, wants, reader, opts, all(v[1] for v in votes),
+                                                  progress)
+                else:
+                    mode = "scatter"
+                    error, all_ranges = _scatter_loop(dp, targets, wants, reader, opts, progress)
+            else:
+                try:
+                    for w in wants:
+                        _fill(targets[w.name], w.out, w.start, reader)
+                        if progress:
+                            progress(w.out.numel() * w.out.element_size())
+                except Exception as e:
+                    error = e
+        settle(groups, error, f"loading {path}: reading")
+
+        # 4. Verify against torch's own reading of the same files.
+        verified = False
+        if opts.verify:
+            error = _verify(dp, strategy, mode, targets, wants, sums, all_ranges, reader, opts)
+            settle(groups, error, f"loading {path}: verifying")
+            verified = True
+    finally:
+        if reader is not None:
+            reader.close()
     report = LoadReport(
         path=str(path),
-        kind=summary.kind if summary else "unknown",
-        saved_model_parallel=summary.model_parallel_size if summary else 0,
-        saved_shards=summary.shards_per_part if summary else 0,
-        saved_flat=summary.flat if summary else False,
+        kind=layout.kind if layout else "unknown",
+        saved_model_parallel=layout.model_parallel_size if layout else 0,
+        saved_shards=layout.shards_per_part if layout else 0,
+        saved_flat=layout.flat if layout else False,
         target_model_parallel=mp.size,
         target_world=dp.size,
         flat=flat,
@@ -686,9 +725,76 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         bytes_out=total,
         seconds=time.perf_counter() - t0,
         verified=verified,
-        warnings=summary.warnings if summary else (),
+        warnings=layout.warnings if layout else (),
     )
     return layout, targets, structure, report
+
+
+def _resolve_aliases(wants: Sequence[Want], targets: Mapping[str, TargetTensor]) -> list:
+    """Wants of a tied name become wants of its source (the only one read or sent); every
+    want must name a target and lie inside it."""
+    out = []
+    for w in wants:
+        t = targets.get(w.name)
+        if t is None:
+            raise StateDictMismatchError(f"{w.name}: wanted, but the checkpoint has no such tensor.")
+        if t.alias_of is not None:
+            w = Want(t.alias_of, w.start, w.out)
+            t = targets[t.alias_of]
+        if not 0 <= w.start <= w.stop <= t.numel:
+            raise StateDictMismatchError(f"{w.name}: elements {w.start}..{w.stop} wanted, the tensor has {t.numel}.")
+        out.append(w)
+    return out
+
+
+def _verify(dp: Group, strategy: str, mode: str, targets, wants, sums, all_ranges, reader, opts) -> Optional[BaseException]:
+    """(collective over ``dp`` when broadcasting) This rank's verify failure, or None."""
+    if strategy != "broadcast":
+        try:
+            mm = _MmapReader(reader)
+            for w in wants:
+                got = _sum64(w.out)
+                exp = _fingerprint(targets[w.name], w.start, w.stop, mm, opts.chunk_bytes, w.out.dtype)
+                if not _close(got, exp, w.out.numel()):
+                    raise OneloadError(f"verify: {w.name}[{w.start}:{w.stop}]: loaded sum {got!r} != source sum {exp!r}")
+        except Exception as e:
+            return e
+        return None
+    # The reader computes what arrived or should have, through torch's own reading of the
+    # files, and tells the others; it always sends, so no one waits on a failed reader.
+    payload, error = None, None
+    if dp.rank == 0:
+        try:
+            mm = _MmapReader(reader)
+            if mode == "broadcast":
+                expected = {n: _fingerprint(t, 0, t.numel, mm, opts.chunk_bytes)
+                            for n, t in targets.items() if t.alias_of is None}
+            else:
+                expected = [[_fingerprint(targets[n], a, b, mm, opts.chunk_bytes, getattr(torch, dt))
+                             for rr in r.values() for n, a, b, dt, _ in rr] for r in all_ranges]
+            payload = json.dumps({"expected": expected}).encode()
+        except Exception as e:
+            error, payload = e, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+    payload = json.loads(dp.broadcast_bytes(payload))
+    if error is not None:
+        return error
+    if "error" in payload:
+        return PeerFailure(f"verify: the reader could not compute the source sums ({payload['error']})")
+    expected = payload["expected"]
+    try:
+        if mode == "broadcast":
+            for n, got in sums.items():
+                if not _close(got, expected[n], targets[n].numel):
+                    raise OneloadError(f"verify: {n}: received sum {got!r} != source sum {expected[n]!r}")
+        else:
+            mine = [w for rr in all_ranges[dp.rank].values() for w in rr]
+            for (n, a, b, _, k), exp in zip(mine, expected[dp.rank]):
+                got = _sum64(wants[k].out)
+                if not _close(got, exp, b - a):
+                    raise OneloadError(f"verify: {n}[{a}:{b}]: received sum {got!r} != source sum {exp!r}")
+    except Exception as e:
+        return e
+    return None
 
 
 def _direct_capable(w: Want, targets: Mapping[str, TargetTensor], dp: Group) -> bool:
@@ -918,16 +1024,27 @@ def load_into(
         The :class:`LoadReport` (strategy, bytes read, time).
     """
     entries = module.state_dict(keep_vars=True)
-    has_dtensor = any(_is_dtensor(t) for t in entries.values())
-    if process_group is None and has_dtensor:
-        mesh = next(t.device_mesh for t in entries.values() if _is_dtensor(t))
-        process_group = mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
+    mesh = next((t.device_mesh for t in entries.values() if _is_dtensor(t)), None)
+    if process_group is None and mesh is not None:
+        if mesh.ndim == 1:
+            process_group = mesh.get_group()
+        elif mesh.size() == dist.get_world_size():
+            # Every rank of a multi-dimensional mesh (HSDP, FSDP + TP) wants its own box:
+            # one group over all of them lets any failure reach every rank.
+            process_group = dist.group.WORLD
+        else:
+            raise ValueError(
+                f"{type(module).__name__} is sharded over a {mesh.ndim}-D mesh of {mesh.size()} ranks in a world of "
+                f"{dist.get_world_size()}: pass process_group=<a group of exactly the mesh's ranks>.")
+    if device is None and mesh is not None:
+        device = mesh.device_type  # FSDP2 on GPUs: materialise where the mesh lives
     if qkv is None:
         qkv = qkv_naming(entries)
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                     trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress)
     dp, mp = _groups(process_group, model_parallel_group)
     post: list = []
+    unloaded: list = []
     materialize_on = torch.device(device) if device is not None else torch.device("cpu")
 
     def make_wants(targets, structure, layout):
@@ -958,14 +1075,18 @@ def load_into(
                 + ". Nothing was loaded. Check the model config against the checkpoint"
                 + (", or pass strict=False to load the matching tensors only." if not wrong else ".")
             )
-        # Materialise meta tensors now that the keys are known to match.
+        # Materialise meta tensors now that the keys are known to match. One the checkpoint
+        # does not hold (strict=False) stays on meta, so using it fails loudly, except
+        # under FSDP2, whose to_empty() materialises everything: those are listed in the
+        # report's ``unloaded``.
+        unloaded.extend(n for n in owned if n not in targets)
         if any(_is_dtensor(t) and t.device.type == "meta" for t in entries.values()):
             module.to_empty(device=materialize_on)
         fresh = module.state_dict(keep_vars=True)
         with torch.no_grad():
             for n in owned:
                 t = fresh[n]
-                if _is_dtensor(t) or t.device.type != "meta":
+                if _is_dtensor(t) or t.device.type != "meta" or n not in targets:
                     continue
                 new = torch.empty(t.shape, dtype=t.dtype, device=materialize_on)
                 for alias in [n] + [a for a, src in tied.items() if src == n]:
@@ -1002,5 +1123,5 @@ def load_into(
     with torch.no_grad():
         for fn in post:
             fn()
-    return report
+    return dataclasses.replace(report, unloaded=tuple(unloaded))
 

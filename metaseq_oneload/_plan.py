@@ -214,10 +214,11 @@ class TargetTensor:
         return tuple({id(c.src): c.src for c in self.copies}.values())
 
 
-def _copies(target: Placement, local_shape: tuple, sources: Sequence) -> tuple:
-    """Intersect a target placement with the placements of the stored tensors."""
+def _copies(target: Placement, local_shape: tuple, sources: Sequence, prefer_part: int = 0) -> tuple:
+    """Intersect a target placement with the placements of the stored tensors. A replicated
+    tensor is read from part ``prefer_part``'s copy when there is one (a rank's own file)."""
     if target.dim is None:
-        src, sp = sources[0]
+        src, sp = next((x for x in sources if x[0].part == prefer_part), sources[0])
         if tuple(src.shape) != tuple(local_shape):
             raise CheckpointLayoutError(f"{src.name}: stored shape {src.shape} != wanted {local_shape}.")
         return (FlatCopy(src, 0, 0, src.numel),)
@@ -296,9 +297,7 @@ def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]
                     f"{t.name}: part {part.index} implies global shape {p.global_shape} but other parts "
                     f"imply {entry['shape']}: the model parts disagree."
                 )
-            if p.dim is None and entry["sources"]:
-                continue  # replicated: one copy (part 0's) is the tensor
-            entry["sources"].append((t, p))
+            entry["sources"].append((t, p))  # replicated: every part's copy, to read the nearest
             if t.name not in entry["names"]:
                 entry["names"].append(t.name)
     return table, unknown
@@ -395,7 +394,8 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
                     local[tp.dim] = sum(n for _, _, n in tp.segments)
                 local = tuple(local)
             src_dtype = entry["sources"][0][0].dtype
-            out[name] = TargetTensor(name, local, _cast(src_dtype, dtype), _copies(tp, local, entry["sources"]))
+            prefer = target_part if saved == target_parts else 0
+            out[name] = TargetTensor(name, local, _cast(src_dtype, dtype), _copies(tp, local, entry["sources"], prefer))
     if tied:
         shared = list(layout.parts[0].shared)
         if not shared and layout.model_args().get("share_decoder_input_output_embed"):

@@ -43,6 +43,7 @@ __all__ = [
     "load_object",
     "RangeReader",
     "storage_byte_offset",
+    "range_readable",
 ]
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -99,21 +100,34 @@ def safe_globals() -> tuple:
 
 
 _ALLOWLIST_LOCK = threading.RLock()
+_ALLOWLIST_USERS = 0
+_ALLOWLIST_ADDED: list = []
 
 
 @contextlib.contextmanager
 def _allowlisted():
-    """Our allowlist on top of whatever the process already allows, restored exactly on
-    exit. torch's own ``safe_globals`` context removes its entries on exit, also ones the
-    user had added (metaseq's shim adds ``argparse.Namespace``), and is not thread-safe."""
+    """Our allowlist on top of whatever the process already allows, while any load of ours
+    runs. Only the entries we added are removed afterwards (torch's own ``safe_globals``
+    context removes its entries on exit, also ones the user had added, e.g. metaseq's shim's
+    ``argparse.Namespace``). Loads run outside the lock, so header reads stay concurrent."""
+    global _ALLOWLIST_USERS, _ALLOWLIST_ADDED
     with _ALLOWLIST_LOCK:
-        before = torch.serialization.get_safe_globals()
-        torch.serialization.add_safe_globals(list(safe_globals()))
-        try:
-            yield
-        finally:
-            torch.serialization.clear_safe_globals()
-            torch.serialization.add_safe_globals(before)
+        if _ALLOWLIST_USERS == 0:
+            present = set(map(id, torch.serialization.get_safe_globals()))
+            _ALLOWLIST_ADDED = [g for g in safe_globals() if id(g) not in present]
+            torch.serialization.add_safe_globals(_ALLOWLIST_ADDED)
+        _ALLOWLIST_USERS += 1
+    try:
+        yield
+    finally:
+        with _ALLOWLIST_LOCK:
+            _ALLOWLIST_USERS -= 1
+            if _ALLOWLIST_USERS == 0 and _ALLOWLIST_ADDED:
+                ours = set(map(id, _ALLOWLIST_ADDED))
+                keep = [g for g in torch.serialization.get_safe_globals() if id(g) not in ours]
+                torch.serialization.clear_safe_globals()
+                torch.serialization.add_safe_globals(keep)
+                _ALLOWLIST_ADDED = []
 
 
 def _describe_unsafe(path: str) -> str:
@@ -149,6 +163,28 @@ def _file_kind(path: str) -> str:
         f"{path}: not a torch checkpoint: it starts with {head!r}, expected a torch zip archive "
         f"('PK\\x03\\x04') or torch's legacy pickle format. Remove it from the checkpoint set."
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _zip_range_readable(key: tuple) -> Optional[str]:
+    """None if every tensor record of the zip archive is stored uncompressed and little-
+    endian (so its bytes can be read in place), else why not. torch.load reads both other
+    cases fine, so such a file is read whole instead."""
+    with zipfile.ZipFile(key[0]) as z:
+        for info in z.infolist():
+            if "/data/" in info.filename and info.compress_type != zipfile.ZIP_STORED:
+                return f"record {info.filename} is compressed"
+            if info.filename.endswith("/byteorder") and z.read(info.filename).strip() == b"big":
+                return "tensors are stored big-endian"
+    return None
+
+
+def range_readable(path: str) -> bool:
+    """(local) Whether tensors of this torch file can be read in place (see RangeReader)."""
+    try:
+        return _file_kind(path) == "zip" and _zip_range_readable(_stat_key(path)) is None
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _torch_load(path: str, *, trust_pickle: bool, **kwargs) -> Any:
@@ -209,6 +245,8 @@ def read_header(path: str, *, trust_pickle: bool = False) -> Any:
 def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True) -> Any:
     """(any rank, local) ``torch.load`` of the whole file onto CPU, memory-mapped where the
     format allows (pages are read only when touched), through the same allowlist."""
+    # A compressed or big-endian zip cannot be memory-mapped; torch reads it whole.
+    mmap = mmap and (_file_kind(path) != "zip" or range_readable(path))
     return _torch_load(path, trust_pickle=trust_pickle, map_location="cpu", mmap=mmap)
 
 
@@ -299,15 +337,17 @@ class RangeReader:
         if ext.path.endswith(".safetensors"):
             from safetensors import safe_open
 
-            handle = self._objects.get(ext.path)
-            if handle is None:
-                handle = self._objects[ext.path] = safe_open(ext.path, framework="pt")
-            return handle.get_tensor(ext.key).reshape(-1)[ext.elem_offset: ext.elem_offset + ext.numel]
+            cached = self._objects.get((ext.path, ext.key))
+            if cached is None:  # one tensor at a time: verify walks a tensor in chunks
+                self._objects = {k: v for k, v in self._objects.items() if not isinstance(k, tuple)}
+                with safe_open(ext.path, framework="pt") as handle:
+                    cached = self._objects[(ext.path, ext.key)] = handle.get_tensor(ext.key).reshape(-1)
+            return cached[ext.elem_offset: ext.elem_offset + ext.numel]
         obj = self._objects.get(ext.path)
         if obj is None:
-            if _file_kind(ext.path) == "legacy":
-                # A legacy file is read whole into memory: keep at most one around.
-                self._objects.clear()
+            # Memory-mapped where the format allows; a legacy (pre-1.6) file cannot be, so it
+            # is read whole and kept until close(): every part it holds is read from it
+            # without loading it again (peak memory: the legacy files a load touches).
             obj = load_object(ext.path, trust_pickle=self.trust_pickle)
             self._objects[ext.path] = obj
         t = obj

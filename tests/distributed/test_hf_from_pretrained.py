@@ -165,8 +165,66 @@ def fsdp1_recipe(rank, world, folder):
             "names": len(got), "logits": float((logits - oracle["logits"]).abs().max())}
 
 
+def cpu_offload(rank, world, folder):
+    """FSDP2 with CPUOffloadPolicy: parameters materialised on CPU. This machine has no GPU,
+    so for the device choice the mesh is made to say "cuda" and load_into is stopped before
+    it reads; the load itself runs on the CPU mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from transformers import T5ForConditionalGeneration
+
+    from metaseq_oneload import _hf
+    from metaseq_oneload._loading import _is_dtensor
+
+    class Stop(Exception):
+        pass
+
+    seen, meshes = [], []
+
+    def stop_before_reading(model, path, **kw):
+        seen.append([str(kw["device"])] + [str(d) for d in _hf._placement(model, None)])
+        raise Stop
+
+    def on_cuda_mesh(**kw):
+        def apply(model):
+            _hf.fully_shard_blocks(**kw)(model)
+            mesh = next(p for p in model.parameters() if _is_dtensor(p)).device_mesh
+            meshes.append(mesh)
+            mesh._device_type = "cuda"  # what a CUDA mesh says
+            return model
+
+        return apply
+
+    out = {}
+    real_load, real_current = _hf.load_into, torch.cuda.current_device
+    _hf.load_into, torch.cuda.current_device = stop_before_reading, (lambda: 0)
+    try:
+        for kw in ({"offload_policy": CPUOffloadPolicy()}, {}):
+            try:
+                _hf.from_pretrained(T5ForConditionalGeneration, folder, fsdp=on_cuda_mesh(**kw))
+            except Stop:
+                pass
+            finally:
+                meshes.pop()._device_type = "cpu"
+        try:
+            _hf.from_pretrained(T5ForConditionalGeneration, folder, device="cuda",
+                                fsdp=on_cuda_mesh(offload_policy=CPUOffloadPolicy()))
+        except (Stop, ValueError) as e:
+            out["explicit"] = [type(e).__name__, str(e)]
+        finally:
+            meshes.pop()._device_type = "cpu"
+    finally:
+        _hf.load_into, torch.cuda.current_device = real_load, real_current
+    out["devices"] = seen
+    model = _hf.from_pretrained(T5ForConditionalGeneration, folder,
+                                fsdp=_hf.fully_shard_blocks(offload_policy=CPUOffloadPolicy(pin_memory=False)))
+    out["local_devices"] = sorted({str(p.to_local().device) for p in model.parameters() if _is_dtensor(p)})
+    out["loaded"] = _compare(model, torch.load(f"{folder}.oracle.pt"))
+    return out
+
+
 def two_rank_checks(rank, world, mismatch_cases, fsdp1_folder):
-    return {"mismatch": mismatches(rank, world, mismatch_cases), "fsdp1": fsdp1_recipe(rank, world, fsdp1_folder)}
+    return {"mismatch": mismatches(rank, world, mismatch_cases), "fsdp1": fsdp1_recipe(rank, world, fsdp1_folder),
+            "offload": cpu_offload(rank, world, fsdp1_folder)}
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +254,17 @@ def test_fsdp1_recipe(two_ranks):
     for r in two_ranks:
         r = r["fsdp1"]
         assert r["weights"] == 0.0 and r["logits"] <= 1e-5 and r["names"] >= 50, r
+
+
+def test_fsdp2_cpu_offload_materialises_on_cpu(two_ranks):
+    """fully_shard_blocks(offload_policy=CPUOffloadPolicy()) on a CUDA mesh: the parameters
+    are materialised on CPU (FSDP2 raises on the first forward otherwise), the buffers go to
+    the mesh's GPU; without offloading both go to the GPU. An explicit GPU device under CPU
+    offload is refused before anything is read."""
+    for r in two_ranks:
+        r = r["offload"]
+        assert r["devices"] == [["cpu", "cpu", "cuda:0"], ["cuda:0", "cuda:0", "cuda:0"]], r["devices"]
+        assert r["explicit"][0] == "ValueError" and "device=cuda, but the FSDP2 modules offload their parameters to " \
+            "CPU (CPUOffloadPolicy)" in r["explicit"][1], r["explicit"]
+        assert r["local_devices"] == ["cpu"]
+        assert r["loaded"]["weights"] == 0.0 and r["loaded"]["logits"] <= 1e-5 and r["loaded"]["tied"], r["loaded"]

@@ -145,7 +145,8 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
 
     group = dist.group.WORLD
     own = os.path.join(tmp, f"rank{rank}")
-    if scenario in ("truncate_while_reading", "reader_dies_mid_broadcast", "reader_dies_mid_scatter"):
+    if scenario in ("truncate_while_reading", "reader_dies_mid_broadcast", "reader_dies_mid_scatter",
+                    "reader_fails_while_verifying"):
         shutil.copytree(FIXTURES / "fsdp_dp3", own, symlinks=True)
     calls = {"n": 0}
 
@@ -170,6 +171,23 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
         elif scenario == "reader_dies_mid_scatter":
             mo.load_state_dict(own, process_group=group, strategy="broadcast", bucket_mb=0.001, flat=True,
                                progress=truncate_after_first_piece if rank == 0 else None)
+        elif scenario == "same_group_twice":
+            mo.load_state_dict(FIXTURES / "mp2_dp2", process_group=group, model_parallel_group=group,
+                               strategy="broadcast")
+        elif scenario == "options_differ":
+            mo.load_state_dict(FIXTURES / "fsdp_dp3", process_group=group, verify=rank == 0)
+        elif scenario == "bucket_cannot_be_allocated":
+            mo.load_state_dict(FIXTURES / "singleton", process_group=group, strategy="broadcast", bucket_mb=1e12)
+        elif scenario == "reader_fails_while_verifying":
+            total = {"n": 0}
+
+            def truncate_when_done(nbytes):
+                total["n"] += nbytes
+                if total["n"] >= 86196:  # every model byte arrived: now spoil the files
+                    truncate_after_first_piece(nbytes)
+
+            mo.load_state_dict(own, process_group=group, strategy="broadcast", verify=True,
+                               progress=truncate_when_done if rank == 0 else None)
         elif scenario == "wrong_shape_on_one_rank":
             torch.manual_seed(0)
             model = TinyMetaseqLM(ffn=64 if rank == 0 else 48)
@@ -184,3 +202,28 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
     except mo.DistributedLoadError as e:
         return str(e)
     raise AssertionError(f"rank {rank}: {scenario} did not raise")
+
+
+def untied_module_broadcast(rank: int, world: int, strategy: str) -> float:
+    """A module whose output projection is its own tensor, while the checkpoint ties it to
+    embed_tokens: every strategy must fill it (from embed_tokens' bytes)."""
+    from tests.tiny_metaseq import TinyMetaseqLM
+
+    torch.manual_seed(1)
+    model = TinyMetaseqLM()
+    model.decoder.output_projection.weight = torch.nn.Parameter(torch.full((64, 34), 7.0))
+    path = FIXTURES / "fsdp_dp3" if rank == 0 else "/nowhere/checkpoint_last.pt"
+    mo.load_into(model, path, process_group=dist.group.WORLD, strategy=strategy, verify=True)
+    ref = reference_weights()
+    assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
+    return float((model.decoder.output_projection.weight - ref["decoder.embed_tokens.weight"]).abs().max())
+
+
+def blind_empty_folder(rank: int, world: int, tmp: str) -> str:
+    """A rank whose checkpoint folder exists but is empty (a missing mount) receives."""
+    empty = os.path.join(tmp, f"mount{rank}")
+    os.makedirs(empty, exist_ok=True)
+    path = FIXTURES / "singleton" if rank == 0 else empty
+    lc = mo.load_checkpoint(path, process_group=dist.group.WORLD)
+    assert_matches_reference(lc.model, reference_weights())
+    return lc.report.strategy
