@@ -1,11 +1,15 @@
-"""GPU check for from_pretrained: tiny T5 unwrapped, FSDP2 and FSDP2 by broadcast on a CUDA
-mesh (NCCL), plus the benchmark T5 with --big. Not part of the suite.
+"""GPU check for from_pretrained: tiny T5 unwrapped, FSDP2, FSDP2 by broadcast and FSDP2 with
+CPUOffloadPolicy on a CUDA mesh (NCCL), a tiny Llama under CPU offload (its rotary buffer must
+end on the GPU, its parameter shards on CPU), plus the benchmark T5 with --big. Not part of
+the suite.
 
 torchrun --standalone --nproc_per_node 1 bench/hf_gpu_check.py OUTDIR [--big]
 
 Run on an H200 (torch 2.11, transformers 5.17): all three loads exact on cuda:0, logits within
 1.5e-6 of the CPU model; --big (the 1 GiB T5 of hf_t5_bench.py) loaded under FSDP2 in 0.35 s with
-85 MiB of CPU peak above baseline.
+85 MiB of CPU peak above baseline. The two CPU-offload cases came later: checked on CPU (gloo,
+world 1: exact), not yet on a GPU. There "fsdp2-offload" must show devices cpu (the shards)
+and "llama-offload" shards ["cpu"], buffers ["cuda:0"].
 """
 import json
 import os
@@ -14,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 sys.path.insert(0, os.getcwd())
 from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
@@ -48,8 +53,10 @@ with torch.no_grad():
     ref_logits = ref(input_ids=x, labels=y).logits
 saved = {k: v.clone() for k, v in ref.state_dict().items()}
 
+offload = CPUOffloadPolicy(pin_memory=cuda)  # pinning needs a GPU
 for name, kw in [("fsdp2", {"fsdp": fully_shard_blocks()}), ("unwrapped", {"device": dev}),
-                 ("fsdp2-bcast", {"fsdp": fully_shard_blocks(), "strategy": "broadcast", "bucket_mb": 0.01})]:
+                 ("fsdp2-bcast", {"fsdp": fully_shard_blocks(), "strategy": "broadcast", "bucket_mb": 0.01}),
+                 ("fsdp2-offload", {"fsdp": fully_shard_blocks(offload_policy=offload)})]:
     m, rep = from_pretrained(T5ForConditionalGeneration, folder, return_report=True, **kw)
     sd = m.state_dict()
     devices = sorted({str((t.to_local() if _is_dtensor(t) else t).device) for t in sd.values()})
@@ -64,6 +71,29 @@ for name, kw in [("fsdp2", {"fsdp": fully_shard_blocks()}), ("unwrapped", {"devi
                  "logits_maxdiff": float((logits - ref_logits).abs().max()), "loss": float(loss),
                  "tied": m.shared.weight is m.encoder.embed_tokens.weight}
     del m
+
+# CPU offload with a buffer: Llama's rotary inv_freq is computed, not loaded, and must be where
+# the forward runs while the parameter shards stay on CPU.
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+torch.manual_seed(0)
+lref = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2)).eval()
+lfolder = os.path.join(out_dir, "llama")
+lref.save_pretrained(lfolder)
+tokens = torch.tensor([[3, 9, 27, 4, 60]])
+with torch.no_grad():
+    lref_logits = lref(tokens).logits
+m = from_pretrained(LlamaForCausalLM, lfolder, fsdp=fully_shard_blocks(offload_policy=offload))
+shards = sorted({str(p.to_local().device) for p in m.parameters() if _is_dtensor(p)})
+buffers = sorted({str(b.device) for b in m.buffers()})
+with torch.no_grad():
+    llogits = m(tokens.to(dev)).logits.cpu()
+m.train()
+m(tokens.to(dev), labels=tokens.to(dev)).loss.backward()
+res["llama-offload"] = {"shards": shards, "buffers": buffers,
+                        "logits_maxdiff": float((llogits - lref_logits).abs().max())}
+del m
 
 if "--big" in sys.argv:
     big = os.path.join(out_dir, "t5big")

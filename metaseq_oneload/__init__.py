@@ -80,6 +80,13 @@ __all__ = sorted(_LAZY) + [
 
 __version__ = "0.1.0"
 
+# Imported from a source checkout (the repository root first on sys.path), the package has
+# no ``hydra_configs`` subpackage yet (an install maps the top-level folder there): register
+# it, so Hydra's pkg:// search path finds the ``oneload`` group. Cheap: no torch, no Hydra.
+from ._hydra import source_tree_configs as _source_tree_configs  # noqa: E402
+
+_source_tree_configs()
+
 
 def __getattr__(name: str):
     try:

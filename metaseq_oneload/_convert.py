@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -50,9 +51,10 @@ import torch
 from ._errors import OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, FileName, discover
 from ._loading import _fill
-from ._optim import OptimizerPlan, plan_optimizer, state_of
+from ._optim import (OptimizerPlan, carry_extra_state, flat_pieces, plan_optimizer, rank_state, rest_source,
+                     same_weights_layout, state_of)
 from ._plan import FlatGroup, FlatStructure, TargetTensor, flat_shard_range, plan_part
-from ._reading import RangeReader, _file_kind, load_object, read_header
+from ._reading import RangeReader, load_object, read_header
 from ._verify import TensorDiff, VerifyReport, verify
 from ._writing import (Cancelled, ConversionError, OutputExistsError, OutputSet, Piece, Record, progress_bar,
                        storage_key, write_json, write_safetensors, write_torch)
@@ -309,17 +311,6 @@ class _Output:
     sidecar: Optional[str]
 
 
-def _flat_pieces(g: FlatGroup, targets: Mapping[str, TargetTensor], shard: int, shards: int,
-                 dtype: torch.dtype) -> tuple:
-    """The pieces of rank ``shard``'s flat shard of ``g``: members, then zero padding."""
-    members, size = g.shard_pieces(shard, shards)
-    pieces = [Piece(targets[n], start, stop - start, dtype) for n, start, stop, _ in members]
-    filled = sum(stop - start for _, start, stop, _ in members)
-    if size > filled:
-        pieces.append(Piece(None, 0, size - filled, dtype))
-    return tuple(pieces), size
-
-
 class _Conversion:
     """(local) Everything decided before the first byte is written, and the writer of one
     output file (called from worker threads, one file each)."""
@@ -333,6 +324,10 @@ class _Conversion:
         self.notes: list = []
         self._lock = threading.Lock()
         self._objects: dict = {}
+        # Sources that cannot be range-read (legacy, compressed) are read whole: through one
+        # reader shared by all outputs (one job), so each is loaded once, not once per output.
+        self.read_whole = any(f.format not in ("zip", "safetensors") for f in layout.all_files)
+        self.shared_reader: Optional[RangeReader] = None
         self.targets = [plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype) for m in range(model_parallel)]
         buffers = set(layout.parts[0].buffer_names)
         self.structures: list = []
@@ -387,21 +382,27 @@ class _Conversion:
                 self.optimizer_status = "carried"
                 self.notes.append(f"optimizer state carried ({', '.join(map(str, sorted(self.optimizer.aligned, key=str)))} "
                                   "resharded exactly like the weights)")
+        # What of extra_state belongs to the saved layout only (the same rule as install()'s).
+        self.same_parts = layout.model_parallel_size == model_parallel
+        self.same_weights = [
+            wrapping is None and same_weights_layout(layout, parts=model_parallel, shards=shards, flat=flat,
+                                    structure=self.structures[m] if flat else None)
+            for m in range(model_parallel)]
+        header = read_header(layout.files[0][0].path, trust_pickle=trust_pickle)
+        extra = header.get("extra_state") if isinstance(header, Mapping) else None
+        for m in range(model_parallel):
+            self.notes += [n for n in carry_extra_state(extra, same_parts=self.same_parts,
+                                                        same_weights=self.same_weights[m])[1] if n not in self.notes]
 
     # -- which source file supplies cfg, meters and the rest
     def _extras_source(self, m: int, d: int) -> str:
-        L = self.layout
-        ms = m if L.model_parallel_size == self.M else 0
-        ds = d if L.shards_per_part == self.N else 0
-        return L.files[ms][ds].path
+        return rest_source(self.layout, m, self.M, d, self.N)
 
     def _source_object(self, path: str) -> Any:
-        """The source file's object, memory-mapped (tensor pages are read only if touched),
-        loaded once for all outputs that take their cfg and meters from it. Shared between
-        threads read-only: what an output changes (cfg) is copied first."""
-        if _file_kind(path) == "legacy":
-            # Cannot be memory-mapped: read whole each time rather than kept for the run.
-            return load_object(path, trust_pickle=self.trust_pickle, mmap=False)
+        """The source file's object, loaded once for all outputs that take their cfg and
+        meters from it: memory-mapped (tensor pages are read only if touched), or read whole
+        where the format cannot be mapped. Shared between threads read-only: what an output
+        changes (cfg, extra_state) is copied first."""
         with self._lock:
             obj = self._objects.get(path)
             if obj is None:
@@ -436,7 +437,7 @@ class _Conversion:
         items = []
         for g in s.groups:
             dtype = targets[g.names[0]].dtype if g.names else torch.float32
-            pieces, size = _flat_pieces(g, targets, d, self.N, dtype)
+            pieces, size = flat_pieces(g, targets, d, self.N, dtype)
             items.append((g.key, (size,), dtype, Record(pieces)))
         for n, t in targets.items():
             if n in covered or t.alias_of is not None:
@@ -467,52 +468,17 @@ class _Conversion:
         return roots + rest + [g.key for g in s.groups if g.fsdp_path]
 
     def _optimizer_state(self, m: int, d: int, src_state: Mapping, records: dict) -> dict:
-        """Output (m, d)'s ``last_optimizer_state``: placeholders laid out like its parameters,
-        ``step`` and ``param_groups`` (re-indexed) copied, other keys (loss scale) kept."""
-        opt = self.optimizer
-        planned = opt.targets[m]
-        real_entry0 = src_state.get("state", {}).get(0, {}) if isinstance(src_state.get("state"), Mapping) else {}
-        state: dict = {}
+        """Output (m, d)'s ``last_optimizer_state`` (:func:`._optim.rank_state`, the layout
+        install() materialises too): placeholders whose records stream the values."""
 
-        def entry(make_tensor):
-            e = {}
-            for k in opt.keys:
-                if k in opt.aligned:
-                    e[k] = make_tensor(k)
-                elif torch.is_tensor(opt.scalars.get(k)):
-                    v = real_entry0.get(k)
-                    e[k] = v.clone() if torch.is_tensor(v) else v
-                else:
-                    e[k] = copy.deepcopy(opt.scalars[k])
-            return e
+        def make(pieces: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.empty(shape, dtype=dtype)
+            records[storage_key(t)] = Record(tuple(pieces))
+            return t
 
-        if self.flat:
-            for i, g in enumerate(self.structures[m].groups):
-                def make(k, g=g):
-                    pieces, size = _flat_pieces(g, planned[k], d, self.N, opt.dtypes[k])
-                    t = torch.empty(size, dtype=opt.dtypes[k])
-                    records[storage_key(t)] = Record(pieces)
-                    return t
-                state[i] = entry(make)
-        else:
-            for i, n in enumerate(self.params[m]):
-                def make(k, n=n):
-                    tt = planned[k][n]
-                    t = torch.empty(tt.shape, dtype=tt.dtype)
-                    records[storage_key(t)] = Record((Piece(tt, 0, tt.numel, tt.dtype),))
-                    return t
-                state[i] = entry(make)
-        groups = copy.deepcopy(list(opt.param_groups))
-        groups[0]["params"] = list(range(len(state)))
-        out = {}
-        for k, v in src_state.items():
-            if k == "state":
-                out[k] = state
-            elif k == "param_groups":
-                out[k] = groups
-            else:
-                out[k] = v
-        return out
+        return rank_state(self.optimizer, m, src_state, make=make,
+                          structure=self.structures[m] if self.flat else None, shard=d, shards=self.N,
+                          params=None if self.flat else self.params[m])
 
     def build(self, m: int, d: int) -> tuple:
         """(object to save, records, safetensors entries, tied aliases) of output (m, d)."""
@@ -533,6 +499,8 @@ class _Conversion:
                     obj[k] = self._optimizer_state(m, d, v, records)
             elif k in ("cfg", "args"):
                 obj[k] = copy.deepcopy(v)  # updated below; the source object is shared
+            elif k == "extra_state":
+                obj[k] = carry_extra_state(v, same_parts=self.same_parts, same_weights=self.same_weights[m])[0]
             else:
                 obj[k] = v
         if self.flat:
@@ -601,7 +569,10 @@ class _Conversion:
         Returns (bytes written, bytes read)."""
         if cancel.is_set():
             raise Cancelled()
-        with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=self.trust_pickle) as reader:
+        shared = self.shared_reader is not None
+        reader = self.shared_reader if shared else RangeReader(chunk_bytes=chunk_bytes, trust_pickle=self.trust_pickle)
+        before = reader.bytes_read
+        with contextlib.nullcontext(reader) if shared else reader:
             def fill(target, buf, start):
                 _fill(target, buf, start, reader)
 
@@ -610,7 +581,7 @@ class _Conversion:
             try:
                 if self.fmt == "torch":
                     n = write_torch(tmp, obj, records, fill, chunk_bytes=chunk_bytes, progress=progress,
-                                    cancel=cancel)
+                                    cancel=cancel, trust_pickle=self.trust_pickle)
                 else:
                     metadata = {"format": "pt", "metaseq_oneload": os.path.basename(out.sidecar)}
                     n = write_safetensors(tmp, entries, metadata, fill, chunk_bytes=chunk_bytes, progress=progress,
@@ -623,7 +594,7 @@ class _Conversion:
                         else "check the destination folder's permissions and free space")
                 raise ConversionError(f"{out.path}: cannot write ({e.strerror or e}); {hint}. Nothing was "
                                       "written under a final name.") from e
-            return n, reader.bytes_read
+            return n, reader.bytes_read - before
 
 
 def _parse_budget(value: Any) -> Optional[int]:
@@ -753,6 +724,13 @@ def convert(
     if budget < _CHUNKS_PER_JOB * chunk:
         chunk = max(1 << 16, budget // _CHUNKS_PER_JOB)
     n_jobs = max(1, min(int(jobs) if jobs else (os.cpu_count() or 1), len(outs), budget // (_CHUNKS_PER_JOB * chunk)))
+    if conv.read_whole:
+        # One job and one reader for all outputs: each whole-read source file is loaded once.
+        n_jobs = 1
+        conv.shared_reader = RangeReader(chunk_bytes=chunk, trust_pickle=trust_pickle)
+        if not any("read whole" in n for n in conv.notes):
+            conv.notes.append("source files that cannot be range-read (legacy or compressed format) are read "
+                              "whole, once: one job")
     stale = outputs.clean_stale()
     total_bytes, total_tensors = conv.total_bytes(), conv.total_tensors()
     reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
@@ -796,6 +774,8 @@ def convert(
         raise
     finally:
         close_bar()
+        if conv.shared_reader is not None:
+            conv.shared_reader.close()
     notes = list(conv.notes) + [f"source: {w}" for w in layout.warnings]
     return ConvertReport(
         src=layout.display_name,

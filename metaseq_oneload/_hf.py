@@ -140,15 +140,62 @@ def _coordinate(group: Group, name_or_path: str, need_config: bool, hub_kwargs, 
 # --------------------------------------------------------------------------- building
 
 
-@contextlib.contextmanager
-def _params_on_meta():
-    """Parameters go to ``meta`` as they are registered; buffers stay where the model's
-    code creates them (accelerate's ``init_empty_weights(include_buffers=False)``), so
-    non-persistent buffers that no checkpoint carries keep their computed values."""
-    original = nn.Module.register_parameter
+# Building on meta patches two process-wide attributes (nn.Module.register_parameter and
+# PreTrainedModel.init_weights). The patches are installed once by the first thread in and
+# removed by the last one out, under a lock, and act only in threads inside
+# _params_on_meta / _skip_init_weights (a per-thread depth): a thread building an ordinary
+# model meanwhile gets ordinary parameters, and no interleaving of enters and exits can
+# leave a patch behind or remove one another thread still needs.
+_patch_lock = threading.Lock()
+_patches: dict = {}  # (owner, attribute) -> [wrapper, original, users]
+_this_thread = threading.local()  # .meta, .no_init: how deep this thread is in each context
+# transformers sets torch's default dtype process-wide while it builds a model
+# (local_torch_dtype): two builds at once would see each other's dtype. Builds on meta
+# take milliseconds to seconds, so they take turns; loading does not.
+_build_lock = threading.RLock()
 
-    def register(module, name, param):
+
+def _install(owner: type, attribute: str, make: Callable) -> None:
+    with _patch_lock:
+        slot = _patches.get((owner, attribute))
+        if slot is None:
+            original = owner.__dict__[attribute]
+            wrapper = make(original)
+            setattr(owner, attribute, wrapper)
+            slot = _patches[(owner, attribute)] = [wrapper, original, 0]
+        slot[2] += 1
+
+
+def _uninstall(owner: type, attribute: str) -> None:
+    with _patch_lock:
+        slot = _patches[(owner, attribute)]
+        slot[2] -= 1
+        if slot[2]:
+            return
+        del _patches[(owner, attribute)]
+        # Someone else patched over ours meanwhile: theirs calls ours, which passes
+        # through outside our contexts; putting the original back would drop theirs.
+        if owner.__dict__.get(attribute) is slot[0]:
+            setattr(owner, attribute, slot[1])
+
+
+@contextlib.contextmanager
+def _thread_flag(flag: str, owner: type, attribute: str, make: Callable):
+    _install(owner, attribute, make)
+    depth = getattr(_this_thread, flag, 0)
+    setattr(_this_thread, flag, depth + 1)
+    try:
+        yield
+    finally:
+        setattr(_this_thread, flag, depth)
+        _uninstall(owner, attribute)
+
+
+def _meta_register_parameter(original: Callable) -> Callable:
+    def register_parameter(module, name, param):
         original(module, name, param)
+        if not getattr(_this_thread, "meta", 0):
+            return
         p = module._parameters.get(name)
         if p is None or p.device.type == "meta":
             return
@@ -159,11 +206,33 @@ def _params_on_meta():
             new = type(p)(p.to("meta"), **{**p.__dict__, "requires_grad": p.requires_grad})
         module._parameters[name] = new
 
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+    return register_parameter
+
+
+def _params_on_meta():
+    """(this thread only) Parameters go to ``meta`` as they are registered; buffers stay
+    where the model's code creates them (accelerate's ``init_empty_weights(include_buffers=False)``),
+    so non-persistent buffers that no checkpoint carries keep their computed values."""
+    return _thread_flag("meta", nn.Module, "register_parameter", _meta_register_parameter)
+
+
+def _skipped_init_weights(original: Callable) -> Callable:
+    def init_weights(self, *args, **kwargs):
+        if getattr(_this_thread, "no_init", 0):
+            return None
+        return original(self, *args, **kwargs)
+
+    return init_weights
+
+
+def _skip_init_weights():
+    """(this thread only) Skip ``PreTrainedModel.init_weights``: random initialisation the
+    checkpoint overwrites, about a second per 250M parameters in Python even on meta.
+    Unlike transformers' ``no_init_weights``, which empties torch.nn.init process-wide,
+    other threads keep initialising their models."""
+    from transformers import PreTrainedModel
+
+    return _thread_flag("no_init", PreTrainedModel, "init_weights", _skipped_init_weights)
 
 
 def _transformers_dtype_kw() -> str:
@@ -200,28 +269,15 @@ def _config_from(model_cls, raw: Mapping, config_kwargs: Mapping):
     return AutoConfig.for_model(model_type, **{**raw, **config_kwargs})
 
 
-def _no_init_weights():
-    """transformers' switch that skips random initialisation (the checkpoint overwrites it);
-    on meta it still costs about a second per 250M parameters in Python."""
-    try:
-        from transformers.initialization import no_init_weights  # transformers >= 5
-    except ImportError:
-        try:
-            from transformers.modeling_utils import no_init_weights
-        except ImportError:
-            return contextlib.nullcontext()
-    return no_init_weights()
-
-
 def _build(model_cls, config, dtype: torch.dtype) -> nn.Module:
     """(local) The model from ``config``, parameters on meta, buffers real, tied weights tied."""
     kw = {_transformers_dtype_kw(): dtype}
-    with _params_on_meta(), _no_init_weights():
+    with _build_lock, _params_on_meta(), _skip_init_weights():
         if hasattr(model_cls, "_from_config"):
             model = model_cls._from_config(config, **kw)
         else:  # Auto* classes
             model = model_cls.from_config(config, **kw)
-    # no_init_weights also skips the tying that init_weights does.
+    # Skipping init_weights also skips the tying it does.
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     # Hugging Face keeps some modules in fp32 when loading in fp16 (T5's "wo"): the same here.
@@ -357,23 +413,90 @@ def _restore(model: nn.Module, kept: Mapping[str, torch.Tensor], device: torch.d
     for n, saved in kept.items():
         owner, leaf = _owner(model, n)
         current = owner._buffers.get(leaf)
-        if current is saved:
+        if current is saved and current.device == device:
             continue
-        where = current.device if current is not None and current.device.type != "meta" else device
-        owner._buffers[leaf] = saved.to(where)
+        owner._buffers[leaf] = saved.to(device)
 
 
-def _default_device(model: nn.Module, device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Every buffer on ``device``: those the checkpoint filled in place where the model
+    built them (CPU) too. A buffer shared by several modules stays one tensor."""
+    moved: dict = {}
+    for n, b in list(model.named_buffers(remove_duplicate=False)):
+        if b is None or _is_dtensor(b) or b.device == device:
+            continue
+        owner, leaf = _owner(model, n)
+        owner._buffers[leaf] = moved.setdefault(id(b), b.to(device))
+
+
+def _fsdp2_offload(model: nn.Module) -> tuple:
+    """(names of FSDP2 modules whose parameters are offloaded to CPU, names of those whose
+    parameters live on the mesh's device)."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:  # torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp import CPUOffloadPolicy
+        except ImportError:
+            return (), ()
+    offloaded, resident = [], []
+    for name, m in model.named_modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            state = get_state()
+        except Exception:  # an FSDPModule class without state: not sharded
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.10: one group per state
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        for g in groups:
+            if g is None or not getattr(g, "fsdp_params", None):
+                continue
+            cpu = isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) or any(
+                getattr(fp, "offload_to_cpu", False) for fp in g.fsdp_params)
+            (offloaded if cpu else resident).append(name or "<root>")
+    return tuple(offloaded), tuple(resident)
+
+
+def _mesh_device(model: nn.Module) -> Optional[torch.device]:
+    """The device of the FSDP2 mesh the parameters are sharded over, None when unsharded."""
     for p in model.parameters():
         if _is_dtensor(p):
             kind = p.device_mesh.device_type
             if kind == "cpu":
-                break
+                return torch.device("cpu")
             mod = getattr(torch, kind, None)
             return torch.device(kind, mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0)
-    return torch.device("cpu")
+    return None
+
+
+def _placement(model: nn.Module, device) -> tuple:
+    """(where parameters are materialised, where buffers go).
+
+    Default: the FSDP2 mesh's device for both, else CPU. With FSDP2 ``CPUOffloadPolicy``
+    the sharded parameters must be on CPU (FSDP2 raises on the first forward otherwise)
+    while buffers, which FSDP2 does not manage, stay on the mesh's device for the forward.
+    """
+    mesh = _mesh_device(model)
+    offloaded, resident = _fsdp2_offload(model) if mesh is not None and mesh.type != "cpu" else ((), ())
+    if offloaded and resident:
+        raise ValueError(
+            f"some FSDP2 modules offload their parameters to CPU ({', '.join(offloaded[:3])}) and others keep "
+            f"them on {mesh} ({', '.join(resident[:3])}); from_pretrained materialises all parameters on one "
+            "device. Pass the same offload_policy to every fully_shard call (fully_shard_blocks does).")
+    if device is not None:
+        device = torch.device(device)
+        if offloaded and device.type != "cpu":
+            raise ValueError(
+                f"device={device}, but the FSDP2 modules offload their parameters to CPU (CPUOffloadPolicy): "
+                "FSDP2 needs them materialised on CPU. Leave device unset (or pass device='cpu').")
+        return device, device
+    if offloaded:
+        return torch.device("cpu"), mesh
+    target = mesh if mesh is not None else torch.device("cpu")
+    return target, target
 
 
 def from_pretrained(
@@ -421,7 +544,9 @@ def from_pretrained(
         config: a ``PretrainedConfig`` instead of the folder's ``config.json``.
         dtype: ``"auto"`` (the config's dtype, as transformers 5), a dtype or its name, or None
             (torch's default). Weights stored in another dtype are converted while read.
-        device: where parameters are materialised (default: the FSDP2 mesh's device, else CPU).
+        device: where parameters are materialised (default: the FSDP2 mesh's device, else CPU;
+            CPU when ``fsdp`` shards with ``offload_policy=CPUOffloadPolicy()``, buffers then
+            staying on the mesh's device).
         strategy: :func:`metaseq_oneload.load_into`'s: "auto", "reshard" or "broadcast".
         ignore_unexpected: regexes of checkpoint tensors to skip, beyond the model class's
             own ``_keys_to_ignore_on_load_unexpected``.
@@ -457,7 +582,7 @@ def from_pretrained(
     if fsdp is not None:
         wrapped = fsdp(model)
         model = wrapped if wrapped is not None else model
-    target = _default_device(model, device)
+    target, buffers_on = _placement(model, device)
     # A rank reads the folder it was given when it sees it. A Hub id is where rank 0
     # downloaded it (seen by the ranks of its node). A rank that sees nothing receives
     # everything from rank 0 by broadcast.
@@ -466,7 +591,8 @@ def from_pretrained(
     report = load_into(model, path, process_group=group.group if group.active else None, strategy=strategy,
                        strict=not lenient, device=target, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                        trust_pickle=trust_pickle, progress=progress)
-    _restore(model, kept, target)
+    _restore(model, kept, buffers_on)
+    _buffers_to(model, buffers_on)  # with CPU offload: not where the parameters are, where the forward runs
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if not _is_dtensor(t) and t.device.type == "meta"
             or _is_dtensor(t) and t.to_local().device.type == "meta"]
@@ -583,7 +709,9 @@ def _configure_export_hf(p) -> None:
                    help="largest safetensors file; above it, model-0000k-of-0000n.safetensors + index (default 5GB)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="write the weights in this dtype (default: as stored)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DST once the export is complete")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST once the export is complete; only a folder an earlier export wrote "
+                        "(config.json, model*.safetensors, the index) or an empty one")
     p.add_argument("--chunk-mb", type=float, default=64, help="bytes read and written at a time (peak memory)")
 
 

@@ -18,7 +18,10 @@ Three steps, each in its own function:
     are merged, FSDP flat shards unflattened. Peak memory is one chunk (twice that while
     merging row-parallel weights), never a tensor group or the model. Everything lands in one
     hidden folder beside the destination that is renamed into place at the end, so an
-    interrupted export leaves nothing at the destination.
+    interrupted export leaves nothing at the destination. The destination is never a file,
+    link or folder of the source checkpoint, and ``overwrite`` replaces only a folder an
+    export wrote (``_refuse_source``, ``_why_not_an_export``); what a killed export left is
+    cleaned up, or put back, by the next one to the same destination (``_clean_stale``).
 
 The mapping checked end to end: ``OPTForCausalLM.from_pretrained`` of the exported folder
 reproduces the logits metaseq computed from the fixture checkpoints (tests/unit/test_hf_export.py).
@@ -27,11 +30,13 @@ reproduces the logits metaseq computed from the fixture checkpoints (tests/unit/
 from __future__ import annotations
 
 import errno
+import glob
 import math
 import os
 import re
 import shutil
-import socket
+import stat
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -39,11 +44,12 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from ._errors import ConversionError, OneloadError, OutputExistsError, UnsupportedArchitectureError
-from ._layout import CheckpointLayout, discover
+from ._layout import CheckpointLayout, _scan, discover
 from ._loading import _fill
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader
-from ._writing import SAFETENSORS_DTYPES, Piece, Record, _pid_alive, progress_bar, write_json, write_safetensors
+from ._writing import (SAFETENSORS_DTYPES, Piece, Record, make_temp, progress_bar, source_clash, stale_temps,
+                       write_json, write_safetensors)
 
 __all__ = [
     "UnsupportedArchitectureError",
@@ -303,7 +309,15 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
     pos = shape("model.decoder.embed_positions.weight")
     warnings: list = []
     max_positions = None
-    if pos is not None:
+    if pos is None:
+        if not any(s.startswith(("decoder_learned_pos", "sinusoidal")) for s, _ in problems):
+            refuse("decoder_learned_pos=True without decoder.embed_positions.weight",
+                   "cfg.model asks for a learned position table but the checkpoint holds none; OPT's "
+                   "max_position_embeddings and position embeddings come from that table")
+    elif len(pos) != 2 or pos[0] <= _POSITION_OFFSET or pos[1] != hidden:
+        refuse("decoder.embed_positions.weight",
+               f"shape {pos}; OPT needs (positions + 2, hidden size {hidden}) with at least one position")
+    else:
         max_positions = pos[0] - _POSITION_OFFSET
         declared = args.get("max_target_positions")
         if declared is not None and declared != max_positions:
@@ -400,18 +414,173 @@ def shard_files(tensors: Sequence[OPTTensor], max_shard_bytes: int) -> list:
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def _remove_stale(parent: str, base: str) -> None:
-    """Temporary folders of earlier exports to the same destination whose process is gone
-    (killed, power loss): only ones this host wrote, so a shared file system is safe."""
-    host = socket.gethostname()
-    prefix = f".{base}.oneload-tmp-{host}-"
+# What an export writes into DST: the only names --overwrite and the stale cleanup ever remove.
+_EXPORT_NAME = re.compile(
+    r"config\.json|model\.safetensors|model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json")
+_TMP, _OLD = "tmp", "old"  # _writing.make_temp kinds: .DST.oneload-tmp+HOST+PID+RANDOM, .DST.oneload-old+...
+
+
+def _export_names(folder: str) -> Optional[list]:
+    """The entries of ``folder`` when all are regular files an export writes, else None."""
     try:
-        names = os.listdir(parent)
+        names = os.listdir(folder)
     except OSError:
-        return
-    for name in names:
-        if name.startswith(prefix) and name[len(prefix):].isdigit() and not _pid_alive(int(name[len(prefix):])):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        return None
+    for n in names:
+        try:
+            regular = stat.S_ISREG(os.lstat(os.path.join(folder, n)).st_mode)
+        except OSError:
+            return None
+        if not regular or not _EXPORT_NAME.fullmatch(n):
+            return None
+    return names
+
+
+def _remove_export(folder: str) -> bool:
+    """Remove a folder an export wrote, file by file; anything else in it (or put there
+    meanwhile) is left, and so is the folder. Returns whether it is gone."""
+    names = _export_names(folder)
+    if names is None:
+        return False
+    for n in names:
+        try:
+            os.unlink(os.path.join(folder, n))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(folder)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def _clean_stale(dst: str) -> list:
+    """(local) Leftovers of exports to ``dst`` killed on this host; returns notes for the user.
+
+    Found by :func:`_writing.stale_temps`: this host's names, of pids that are gone.
+    ``.oneload-tmp+*``: an unfinished export, removed. ``.oneload-old+*``: the previous DST,
+    moved aside by an ``--overwrite`` killed before it moved the new folder in (DST missing:
+    it is put back) or while removing the old one (DST present: removed). Only folders
+    holding nothing but export files are touched."""
+    notes = []
+    olds = stale_temps(dst, kinds=(_OLD,))
+    if olds and not os.path.lexists(dst):
+        # Not an empty one: killed after naming it, before moving DST there (DST since removed).
+        complete = [o for o in olds if _why_not_an_export(o) is None and os.listdir(o)]
+        if complete:
+            back = max(complete, key=lambda o: os.stat(o).st_mtime)
+            try:
+                os.rename(back, dst)
+                olds.remove(back)
+                notes.append(f"{dst} was put back from {os.path.basename(back)}, where an export with --overwrite "
+                             "killed before it finished had moved it")
+            except OSError:
+                pass
+    for folder in olds + stale_temps(dst, kinds=(_TMP,)):
+        if not _remove_export(folder) and os.path.lexists(folder):
+            notes.append(f"{folder}: left in place; it holds files an export does not write")
+    return notes
+
+
+def _source_paths(layout: CheckpointLayout, src) -> dict:
+    """{path: the checkpoint file it is or names}: the checkpoint's files, and the links and
+    text pointers naming them in its folder and in the folder of the path given (that path
+    included)."""
+    members = {os.path.realpath(f.path): os.path.abspath(f.path) for f in layout.all_files}
+    paths = {os.path.abspath(f.path): os.path.abspath(f.path) for f in layout.all_files}
+    folders = {layout.directory}
+    if not isinstance(src, CheckpointLayout):
+        given = os.path.abspath(os.fspath(src))
+        for g in (glob.glob(given) if glob.has_magic(given) else [given]):
+            if os.path.isdir(g):
+                folders.add(g)
+            elif os.path.lexists(g):
+                paths.setdefault(g, members.get(os.path.realpath(g), os.path.realpath(g)))
+                folders.add(os.path.dirname(g))
+    for d in folders:
+        try:
+            entries = _scan(d)
+        except OneloadError:
+            continue
+        for e in entries:
+            member = members.get(os.path.realpath(e.real))
+            if member is not None:
+                paths[os.path.join(d, e.name)] = member
+    return paths
+
+
+def _ids(path: str) -> set:
+    out = set()
+    for f in (os.stat, os.lstat):
+        try:
+            st = f(path)
+            out.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    return out
+
+
+def _within(path: str, folder: str) -> bool:
+    return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+def _refuse_source(dst: str, sources: Mapping[str, str]) -> None:
+    """Refuse a destination that is a file or link of the source checkpoint (by path, real
+    path or inode), a folder above one (through links too), or a path inside one."""
+    clash = source_clash(dst, sources)  # is one, links to one, or a folder (not a link) holding one
+    real = os.path.realpath(dst)
+    holds = inside = None
+    for s in sources:
+        s_real = os.path.realpath(s)
+        if holds is None and (_within(s, dst) or _within(s_real, real)):
+            holds = s
+        if inside is None and (_within(dst, s) or _within(real, s_real)):
+            inside = s
+    if clash is not None and not os.path.isdir(dst):
+        member = sources[clash]
+        what = "the source checkpoint file" if dst == member else "a link to the source checkpoint file"
+        raise OutputExistsError(f"{dst}: is {what} {os.path.basename(member)}; export-hf never writes over its "
+                                "source. Choose another destination.")
+    if clash is not None or holds is not None:
+        raise OutputExistsError(
+            f"{dst}: holds the source checkpoint ({os.path.basename(holds or clash)}); export-hf never replaces its "
+            "source. Choose another destination.")
+    if inside is not None:
+        raise OutputExistsError(f"{dst}: lies inside the source checkpoint file {inside}. Choose another destination.")
+
+
+def _why_not_an_export(path: str, source_ids: "set | frozenset" = frozenset()) -> Optional[str]:
+    """None when ``path`` may be replaced: a folder an export wrote (``config.json``,
+    ``model*.safetensors``, perhaps the index, nothing else) or an empty folder; else why not."""
+    if os.path.islink(path):
+        return f"is a symbolic link (to {os.path.realpath(path)})"
+    if not os.path.isdir(path):
+        return "is not a folder"
+    names = _export_names(path)
+    if names is None:
+        try:
+            others = sorted(n for n in os.listdir(path) if not _EXPORT_NAME.fullmatch(n)
+                            or not stat.S_ISREG(os.lstat(os.path.join(path, n)).st_mode))
+        except OSError as e:
+            return f"cannot be listed ({e.strerror or e})"
+        return (f"holds {', '.join(others[:4])}{' ...' if len(others) > 4 else ''}, which an export does not write")
+    if not names:
+        return None
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        return "is not a complete export (it needs config.json and model*.safetensors)"
+    linked = [n for n in names if _ids(os.path.join(path, n)) & source_ids]
+    if linked:
+        return f"holds {linked[0]}, a link to a file of the source checkpoint"
+    return None
+
+
+def _refuse_replacing(dst: str, why: str) -> None:
+    raise OutputExistsError(
+        f"{dst}: not replaced: it {why}. --overwrite replaces only a folder export-hf wrote (config.json, "
+        "model*.safetensors, model.safetensors.index.json) or an empty folder. Choose another destination, or move "
+        "it away yourself.")
 
 
 def _fsync_dir(path: str) -> None:
@@ -425,6 +594,50 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# Threads of one process exporting to one destination move into place one at a time (other
+# processes doing so get a clear error and lose nothing).
+_move_lock = threading.Lock()
+
+
+def _move_into_place(tmp: str, dst: str, overwrite: bool, source_ids: set) -> list:
+    """(local) Rename the finished ``tmp`` to ``dst``; an existing ``dst`` (checked again:
+    it may have appeared or changed during the export) is moved aside first and removed after.
+    Killed between the two renames, the next export to ``dst`` puts the old folder back
+    (:func:`_clean_stale`); interrupted (SIGTERM, Ctrl-C), it is put back here."""
+    parent = os.path.dirname(dst)
+    old = None
+    with _move_lock:
+        try:
+            if os.path.lexists(dst):
+                if not overwrite:
+                    raise OutputExistsError(f"{dst}: appeared during the export (another export to it?); nothing "
+                                            "was replaced. Pass overwrite=True (CLI: --overwrite) to replace it.")
+                why = _why_not_an_export(dst, source_ids)
+                if why:
+                    _refuse_replacing(dst, why)
+                old = make_temp(dst, folder=True, kind=_OLD)  # empty: the rename replaces it
+                os.rename(dst, old)
+            try:
+                os.rename(tmp, dst)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise OutputExistsError(f"{dst}: appeared while this export moved into place (another process "
+                                            "exporting to it?); this export was not moved in.") from e
+                raise ConversionError(f"{dst}: could not move the finished export into place "
+                                      f"({e.strerror or e}).") from e
+        except BaseException:
+            if old is not None and os.path.lexists(old):
+                if not os.path.lexists(dst) and os.listdir(old):
+                    os.rename(old, dst)  # put back
+                else:  # the rename aside never ran (an empty name), or another export took DST's place
+                    _remove_export(old)
+            raise
+    _fsync_dir(parent)
+    if old is not None and not _remove_export(old) and os.path.lexists(old):
+        return [f"{old}: the replaced folder was left in place; something was added to it during the export"]
+    return []
 
 
 def export_hf(
@@ -450,7 +663,9 @@ def export_hf(
         dst: the folder to create.
         max_shard_size: largest safetensors file, e.g. ``"5GB"`` (10^9 bytes), ``"2GiB"``.
         dtype: write floating-point weights in this dtype (default: as stored).
-        overwrite: replace an existing ``dst`` (only once the new folder is complete).
+        overwrite: replace an existing ``dst``, only once the new folder is complete, and only
+            when it is a folder an export wrote (config.json, model*.safetensors, the index) or
+            an empty one.
         chunk_mb: bytes read and written at a time; the export's peak extra memory.
         trust_pickle: unpickle without the allowlist. Unsafe: runs code from the file.
         progress: a progress bar (default: when stderr is a terminal), or a callable
@@ -462,7 +677,9 @@ def export_hf(
     Raises:
         UnsupportedArchitectureError: the architecture cannot be expressed as OPT (names the
             settings); nothing is written.
-        OutputExistsError: ``dst`` exists without ``overwrite``, or holds the source.
+        OutputExistsError: ``dst`` exists without ``overwrite``; it is, holds, or lies inside a
+            file or link of the source checkpoint; or, with ``overwrite``, it is not a folder an
+            export wrote.
         ConversionError: the source is not a language model, or writing failed.
         CheckpointLayoutError: the checkpoint files are incomplete or damaged.
 
@@ -472,29 +689,33 @@ def export_hf(
     """
     t0 = time.perf_counter()
     dst = os.path.abspath(os.fspath(dst))
-    if os.path.lexists(dst) and not overwrite:
-        raise OutputExistsError(f"{dst} already exists; export-hf writes a new folder. Choose another destination, "
-                                "or pass overwrite=True (CLI: --overwrite) to replace it once the export is complete.")
     layout = src if isinstance(src, CheckpointLayout) else discover(src, trust_pickle=trust_pickle)
-    inside = [f.path for f in layout.all_files
-              if os.path.realpath(f.path).startswith(os.path.realpath(dst) + os.sep)]
-    if inside:
-        raise OutputExistsError(f"{dst}: holds the source checkpoint ({os.path.basename(inside[0])}); export-hf never "
-                                "replaces its source. Choose another destination.")
+    sources = _source_paths(layout, src)
+    _refuse_source(dst, sources)
+    source_ids = set().union(*(_ids(s) for s in sources.values()))
+    parent = os.path.dirname(dst)
+    notes = _clean_stale(dst) if os.path.isdir(parent) else []
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise OutputExistsError(
+                f"{dst} already exists; export-hf writes a new folder. Choose another destination, or pass "
+                "overwrite=True (CLI: --overwrite) to replace it once the export is complete."
+                + "".join(f" Note: {n}." for n in notes))
+        why = _why_not_an_export(dst, source_ids)
+        if why:
+            _refuse_replacing(dst, why)
     plan = plan_opt(layout, dtype=dtype)
     files = shard_files(plan.tensors, parse_size(max_shard_size))
-    parent, base = os.path.dirname(dst), os.path.basename(dst)
     if not os.path.isdir(parent):
         raise ConversionError(f"{dst}: the parent folder {parent} does not exist. Create it first.")
-    _remove_stale(parent, base)
     # One hidden folder renamed into place at the end: DST appears complete or not at all.
-    tmp = os.path.join(parent, f".{base}.oneload-tmp-{socket.gethostname()}-{os.getpid()}")
     metadata = {"format": "pt", "source": layout.display_name, "converted_by": "metaseq-oneload export-hf"}
     total = plan.total_bytes
     chunk_bytes = max(1 << 16, int(chunk_mb * (1 << 20)))
     update, close_bar = progress_bar(progress, total, len(plan.tensors), "export-hf")
+    tmp = None  # ours to remove, once made
     try:
-        os.mkdir(tmp)
+        tmp = make_temp(dst, folder=True, kind=_TMP)
         with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
             def fill(target, out, start):
                 _fill(target, out, start, reader)
@@ -510,31 +731,19 @@ def export_hf(
                         "weight_map": {t.name: name for name, group in files for t in group}})
         write_json(os.path.join(tmp, "config.json"), plan.config)
         _fsync_dir(tmp)
-        old = None
-        if os.path.lexists(dst):  # overwrite: move the old folder aside only now
-            old = os.path.join(parent, f".{base}.oneload-old-{socket.gethostname()}-{os.getpid()}")
-            os.rename(dst, old)
-        try:
-            os.rename(tmp, dst)
-        except OSError as e:
-            if old is not None:
-                os.rename(old, dst)
-            raise ConversionError(f"{dst}: could not move the finished export into place ({e.strerror or e}).") from e
-        _fsync_dir(parent)
-        if old is not None:
-            if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.remove(old)
+        notes += _move_into_place(tmp, dst, overwrite, source_ids)
+        tmp = None
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OneloadError):
             raise
         hint = ("the disk is full: free space or choose another folder" if e.errno == errno.ENOSPC
                 else "check the destination folder's permissions and free space")
         raise ConversionError(f"{dst}: cannot write ({e.strerror or e}); {hint}. Nothing was left at {dst}.") from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         close_bar()
@@ -549,5 +758,5 @@ def export_hf(
         total_bytes=total,
         seconds=time.perf_counter() - t0,
         config=plan.config,
-        warnings=plan.warnings + tuple(layout.warnings),
+        warnings=plan.warnings + tuple(layout.warnings) + tuple(notes),
     )

@@ -23,9 +23,11 @@ calls does, when a checkpoint is actually read.
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import shlex
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -300,8 +302,8 @@ def checkpoint_path(cfg: Any, path: Optional[str] = None) -> Optional[str]:
     if path:
         return path
     node, leaf, present = _get(cfg, "common_eval.path")
-    if present and node[leaf]:
-        return _split_paths(str(node[leaf]))[0]
+    if present and _value(node, leaf):
+        return _split_paths(str(_value(node, leaf)))[0]
     node, _, present = _get(cfg, "checkpoint.restore_file")
     if not present:
         return None
@@ -356,8 +358,10 @@ def resolve(key: str, path: Optional[str] = None, default: Any = _NO_DEFAULT) ->
         key: one of model_parallel_size, checkpoint_shard_count, use_sharded_state,
             ddp_backend, world_size, kind, shards_per_part, flat, num_updates, path.
         path: any file of the checkpoint, its folder, or its un-suffixed name.
-        default: returned when nothing is at ``path`` (a first launch); without it that is
-            an error. A damaged checkpoint is an error either way.
+        default: returned when nothing is at ``path`` (a first launch), and for a key the
+            files leave open (``ddp_backend`` of unflattened weights is None: any backend
+            loads them); without it a missing checkpoint is an error. A damaged checkpoint
+            is an error either way.
 
     Raises:
         KeyError: an unknown key. CheckpointNotFoundError, CheckpointLayoutError: see inspect.
@@ -369,17 +373,20 @@ def resolve(key: str, path: Optional[str] = None, default: Any = _NO_DEFAULT) ->
             f"${{{RESOLVER}:{key}}}: no checkpoint path: write ${{{RESOLVER}:{key},PATH}} or set oneload.path."
         )
     try:
-        return _settings_for(str(path))[key]
+        value = _settings_for(str(path))[key]
     except CheckpointNotFoundError:
         if default is _NO_DEFAULT:
             raise
         return default
+    # None means "the files do not constrain it": a typed field (ddp_backend: str) takes the
+    # default the config gave rather than failing validation on null.
+    return default if value is None and default is not _NO_DEFAULT else value
 
 
 def _resolver(key: str, path: Optional[str] = None, default: Any = _NO_DEFAULT, *, _root_: Any = None) -> Any:
     if path is None and _root_ is not None:
         node, leaf, present = _get(_root_, "oneload.path")
-        path = node[leaf] if present else None
+        path = _value(node, leaf) if present else None
     return resolve(key, path, default)
 
 
@@ -439,6 +446,34 @@ def register_configs(base: Optional[type] = None, name: str = "base_config") -> 
         cs.store(name=name, node=extend_schema(base))
 
 
+def source_tree_configs() -> bool:
+    """(local) Make ``metaseq_oneload.hydra_configs`` importable where the package is
+    imported from a source checkout (the repository root on ``sys.path`` ahead of any
+    install: ``pytest`` from the root, ``PYTHONPATH=repo``). The group lives in the
+    repository's top-level ``hydra_configs/``, which an install maps into the package and a
+    bare source tree does not. Idempotent; a no-op where the module is found. Returns
+    whether it registered the module."""
+    if CONFIG_MODULE in sys.modules:
+        return False
+    try:
+        if importlib.util.find_spec(CONFIG_MODULE) is not None:
+            return False
+    except (ImportError, ValueError):
+        pass
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_configs")
+    init = os.path.join(folder, "__init__.py")
+    if not os.path.isfile(init) or not os.path.isdir(os.path.join(folder, "oneload")):
+        return False
+    spec = importlib.util.spec_from_file_location(CONFIG_MODULE, init, submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[CONFIG_MODULE] = module
+    spec.loader.exec_module(module)
+    parent = sys.modules.get(CONFIG_MODULE.rsplit(".", 1)[0])
+    if parent is not None:
+        setattr(parent, CONFIG_MODULE.rsplit(".", 1)[1], module)
+    return True
+
+
 def _initialize(config_module: str):
     """hydra.initialize_config_module, with version_base=None (this Hydra's own defaults,
     no upgrade warnings) where Hydra has the argument (>= 1.2)."""
@@ -465,6 +500,7 @@ def compose_oneload(overrides: Sequence[str]) -> OneloadConfig:
     """
     from hydra import compose as hydra_compose
 
+    source_tree_configs()
     register_configs()
     overrides = list(overrides)
     if not any(_GROUP_TOKEN.match(o) for o in overrides):
@@ -477,9 +513,11 @@ def compose_oneload(overrides: Sequence[str]) -> OneloadConfig:
 # --------------------------------------------------------------------------- argv
 
 # Hydra override syntax for the group (+oneload=NAME) and its fields (oneload.KEY=VALUE,
-# +oneload.KEY=..., ++oneload.KEY=..., ~oneload.KEY).
+# +oneload.KEY=..., ++oneload.KEY=..., ~oneload.KEY, ~oneload.KEY=VALUE). Only overrides: a
+# bare "oneload" or "oneload.bin" is an argument of the program (a --save-dir value, a file).
 _GROUP_TOKEN = re.compile(r"^\+{1,2}oneload=")
-_TOKEN = re.compile(r"^(\+{1,2}|~)?oneload([.=]|$)")
+_KEY = r"(?:\.[A-Za-z_][\w.]*)?"
+_TOKEN = re.compile(rf"^(?:\+{{0,2}}oneload{_KEY}=|~oneload{_KEY}(?:=|$))")
 _FLAGS = {s.flag: s.key for s in SETTINGS}
 _KEYS = {s.key for s in SETTINGS}
 
@@ -488,23 +526,52 @@ def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(local) ``argv`` without its ``oneload`` overrides, and those overrides in order."""
     kept, tokens = [], []
     for a in argv:
-        (tokens if _TOKEN.match(a) else kept).append(a)
+        (tokens if isinstance(a, str) and _TOKEN.match(a) else kept).append(a)
     return kept, tokens
 
 
-def explicit_settings(argv: Sequence[str]) -> FrozenSet[str]:
+def _flag_key(option: str, options: Optional[Iterable[str]]) -> Optional[str]:
+    """The setting an option string names, as argparse (``allow_abbrev``) resolves it: the
+    exact flag, or a prefix of exactly one of our flags that is not itself another option.
+    ``options``: every option string of the real parser, when known; without it, an
+    abbreviation that argparse would find ambiguous makes the program stop there anyway."""
+    if option in _FLAGS:
+        return _FLAGS[option]
+    if not option.startswith("--") or len(option) < 3:
+        return None
+    if options is not None and option in options:
+        return None  # another option's exact name
+    matches = [f for f in _FLAGS if f.startswith(option)]
+    if len(matches) != 1:
+        return None
+    if options is not None and sum(1 for o in options if o.startswith(option)) > 1:
+        return None  # ambiguous in the real parser: argparse refuses it
+    return _FLAGS[matches[0]]
+
+
+def explicit_settings(argv: Sequence[str], options: Optional[Iterable[str]] = None) -> FrozenSet[str]:
     """(local) The dotted keys of the loading settings that ``argv`` sets, as metaseq flags
-    (``--model-parallel-size 2``, ``--use-sharded-state``, ``--ddp-backend=fully_sharded``) or
-    Hydra overrides (``common.model_parallel_size=2``)."""
+    (``--model-parallel-size 2``, ``--use-sharded-state``, ``--ddp-backend=fully_sharded``,
+    also abbreviated as argparse allows: ``--model-parallel 2``) or Hydra overrides
+    (``common.model_parallel_size=2``). ``options``: the parser's option strings, if known."""
+    options = frozenset(options) if options is not None else None
     found = set()
     for a in argv:
+        if a == "--":
+            break  # the rest is positional
         flag = a.split("=", 1)[0]
-        if flag in _FLAGS:
-            found.add(_FLAGS[flag])
+        key = _flag_key(flag, options)
+        if key is not None:
+            found.add(key)
         key = flag.lstrip("+")
         if "=" in a and key in _KEYS:
             found.add(key)
     return frozenset(found)
+
+
+# METASEQ_ONELOAD values that read as a switch rather than an option name.
+_ENV_ON = ("1", "true", "yes", "on")
+_ENV_OFF = ("0", "false", "no")
 
 
 def activation_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> Optional[List[str]]:
@@ -513,7 +580,12 @@ def activation_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> Opt
 
     ``METASEQ_ONELOAD="NAME [oneload.KEY=VALUE ...]"`` selects the option (and overrides)
     when the command line does not; ``oneload.*`` tokens on the command line come last, so
-    they win.
+    they win. ``1``/``true``/``yes``/``on`` mean ``auto``, ``0``/``false``/``no`` mean
+    ``off``, and a value that starts with an override (``oneload.verify=true``) means
+    ``auto`` plus that override.
+
+    Raises:
+        ValueError: ``METASEQ_ONELOAD`` does not split into words (unbalanced quotes).
     """
     _, tokens = split_argv(argv)
     env = environ.get(ENV, "").strip()
@@ -522,9 +594,21 @@ def activation_overrides(argv: Sequence[str], environ: Mapping[str, str]) -> Opt
         return None
     overrides: List[str] = []
     if env and not has_group:
-        words = shlex.split(env)
-        overrides.append(words[0] if _GROUP_TOKEN.match(words[0]) else f"+oneload={words[0]}")
-        overrides += words[1:]
+        try:
+            words = shlex.split(env)
+        except ValueError as e:
+            raise ValueError(f"{ENV}={env!r}: {e}; expected e.g. {ENV}=\"broadcast oneload.bucket_mb=64\".") from None
+        first = words[0]
+        if _GROUP_TOKEN.match(first):
+            overrides.append(first)
+            words = words[1:]
+        elif _TOKEN.match(first):
+            overrides.append("+oneload=auto")  # only overrides: they apply to auto
+        else:
+            name = "auto" if first.lower() in _ENV_ON else "off" if first.lower() in _ENV_OFF else first
+            overrides.append(f"+oneload={name}")
+            words = words[1:]
+        overrides += words
     return overrides + tokens
 
 

@@ -12,14 +12,17 @@ What :func:`install` replaces, and why:
 ``checkpoint_utils.load_checkpoint_to_cpu``
     Any file of a set, its folder or its un-suffixed name; any saved shard count onto any
     data-parallel size (metaseq's own split ignores the last shard's padding: 3 -> 2 fails);
-    any saved model-parallel size; split k/v/q singletons fused as metaseq's model wants.
+    any saved model-parallel size; split k/v/q singletons fused as metaseq's model wants. A
+    file named outside a trainer, whose layout this process can take as it is, comes back
+    as metaseq returns it: that file's content (a script reading one part gets that part).
 ``checkpoint_utils.load_model_ensemble_and_task``
     Builds the model first, then each rank loads exactly what that model holds: its FSDP
     shard (``local_metadata_dict``) or its model-parallel part.
 ``checkpoint_utils.load_checkpoint`` and ``Trainer.load_checkpoint``
     ``--restore-file`` / ``--finetune-from-model`` resolved by layout discovery, whatever
     suffix this world size would give; the state loaded for exactly this trainer's model,
-    optimizer state included (resharded exactly when only the data-parallel size changed).
+    optimizer state included (resharded exactly like the weights, across data- and
+    model-parallel sizes).
 ``hub_utils.GeneratorInterface.load_model`` and ``distributed.utils.call_main``
     The loading settings filled from the files before anything is built.
 ``FullyShardedDataParallel.load_state_dict`` (metaseq's wrapper)
@@ -55,7 +58,8 @@ from ._errors import CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheck
 from ._hydra import ENV, OneloadConfig, checkpoint_path, fill_settings, register_configs, split_argv, to_config
 from ._layout import discover
 from ._loading import load_checkpoint
-from ._plan import flat_shard_range
+from ._optim import carry_extra_state, materialize, plan_optimizer, rest_source, same_weights_layout
+from ._plan import FlatStructure, flat_shard_range, plan_part, qkv_naming
 
 __all__ = ["install", "uninstall", "installed", "current_config", "broadcast_object", "fill_from_checkpoint"]
 
@@ -101,6 +105,7 @@ class _State:
     explicit: frozenset = frozenset()
     originals: dict = dataclasses.field(default_factory=dict)
     libraries: tuple = ()
+    hydra_schema: bool = False
 
 
 _STATE = _State()
@@ -115,33 +120,41 @@ class _TrainerLoad:
     use_sharded_state: bool
     reset_optimizer: bool
     layout: Any
+    param_names: Optional[tuple] = None  # the optimizer's parameter order (unwrapped model)
 
 
 # --------------------------------------------------------------------------- install
 
 
-def install(config: Any = None, *, explicit: Iterable[str] = (), hydra_schema: bool = False) -> bool:
-    """(every rank, local) Route metaseq's checkpoint loading (and fairseq's, when it
-    imports) through metaseq-oneload.
+_LIBRARIES = ("metaseq", "fairseq")
 
-    Idempotent: a second call only updates the configuration. With
-    ``strategy="off"`` nothing is patched. Reversible with :func:`uninstall`.
+
+def install(config: Any = None, *, explicit: Optional[Iterable[str]] = None, hydra_schema: bool = False) -> bool:
+    """(every rank, local) Route metaseq's checkpoint loading (and fairseq's) through
+    metaseq-oneload.
+
+    Patches what the program uses: the libraries already imported, else metaseq (or, where
+    only fairseq is installed, fairseq). A library imported later is patched as it is
+    imported. Idempotent: a later call changes the configuration only where it passes one
+    (a repeated ``install()`` keeps what the start-up hook composed); ``strategy="off"``
+    undoes an installation. Reversible with :func:`uninstall`.
 
     Args:
         config: an :class:`~metaseq_oneload.OneloadConfig`, a composed ``oneload`` node or a
-            mapping of its fields; None for the defaults (``strategy="auto"``).
+            mapping of its fields; None keeps the installed configuration (the defaults,
+            ``strategy="auto"``, on a first call).
         explicit: the loading settings the user gave (dotted keys such as
             ``common.model_parallel_size`` or flags such as ``--use-sharded-state``); the
             start-up hook passes what it saw on the command line. Values that differ from
-            metaseq's defaults count as given anyway.
+            metaseq's defaults count as given anyway. None keeps what an earlier call gave.
         hydra_schema: also store metaseq's ``base_config`` with an optional ``oneload`` node
             in Hydra's ConfigStore, for Hydra apps that compose metaseq's config with
             ``+oneload=...``. Off by default: metaseq's own configs (and the checkpoints
             they are saved into) then stay free of a ``oneload`` key.
 
     Returns:
-        True if this call patched metaseq/fairseq, False if they were patched already (or
-        the strategy is "off").
+        True if this call installed the patch, False if it was installed already, or the
+        strategy is "off".
 
     Raises:
         ImportError: neither metaseq nor fairseq can be imported.
@@ -153,53 +166,125 @@ def install(config: Any = None, *, explicit: Iterable[str] = (), hydra_schema: b
         models, cfg, task = metaseq.checkpoint_utils.load_model_ensemble_and_task(["/ckpt/"])
     """
     with _LOCK:
-        _STATE.config = to_config(config)
-        _STATE.explicit = frozenset(explicit)
+        if config is not None:
+            new = to_config(config)
+        elif _STATE.patches is not None:
+            new = _STATE.config
+        else:
+            new = OneloadConfig()
+        if explicit is not None:
+            _STATE.explicit = frozenset(explicit)
+        elif _STATE.patches is None:
+            _STATE.explicit = frozenset()
+        if not new.enabled:
+            if _uninstall_locked():
+                logger.info("metaseq-oneload: strategy=off: uninstalled, metaseq's own loading is back")
+            else:
+                logger.info("metaseq-oneload: strategy=off: metaseq's loading left as it is")
+            _STATE.config = new
+            return False
+        _STATE.config = new
         if _STATE.patches is not None:
             return False
-        if not _STATE.config.enabled:
-            logger.info("metaseq-oneload: strategy=off: metaseq's loading left as it is")
-            return False
+        imported = [lib for lib in _LIBRARIES if lib in sys.modules]
+        importable = [lib for lib in _LIBRARIES if lib not in sys.modules and _importable(lib)]
+        now = imported or importable[:1]
+        later = [lib for lib in importable if lib not in now]
+        if not now:
+            raise ImportError(
+                "metaseq_oneload.install(): neither metaseq nor fairseq can be imported. Install "
+                "metaseq from its repository (pip install -e path/to/metaseq) in this environment."
+            )
         patches = _Patches()
         libraries = []
+        _STATE.hydra_schema = hydra_schema
         try:
-            if importlib.util.find_spec("metaseq") is not None:
-                _patch_metaseq(patches, hydra_schema=hydra_schema)
-                libraries.append("metaseq")
-            if importlib.util.find_spec("fairseq") is not None:
-                try:
-                    _patch_fairseq(patches)
-                    libraries.append("fairseq")
-                except Exception as e:  # fairseq must not stand in the way of metaseq
-                    logger.warning("metaseq-oneload: fairseq is installed but could not be patched: %s", e)
+            for lib in now:
+                if _patch_library(patches, lib):
+                    libraries.append(lib)
             if not libraries:
-                raise ImportError(
-                    "metaseq_oneload.install(): neither metaseq nor fairseq can be imported. Install "
-                    "metaseq from its repository (pip install -e path/to/metaseq) in this environment."
-                )
+                raise ImportError(f"metaseq_oneload.install(): {', '.join(now)} could not be patched (see the log).")
             _allow_checkpoint_globals(patches)
         except BaseException:
             patches.undo()
             _STATE.originals.clear()
             raise
+        if later:
+            from ._startup import _AfterImport
+
+            finder = _AfterImport.watch(later, lambda: _patch_later(later))
+            patches.on_undo(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
         _STATE.patches = patches
         _STATE.libraries = tuple(libraries)
-        logger.info("metaseq-oneload: installed for %s (strategy=%s)", ", ".join(libraries), _STATE.config.strategy)
+        logger.info("metaseq-oneload: installed for %s (strategy=%s)%s", ", ".join(libraries), new.strategy,
+                    f"; {', '.join(later)} when imported" if later else "")
         return True
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _patch_library(patches: _Patches, lib: str) -> bool:
+    """Patch one library into ``patches``, all of it or nothing. metaseq failing is an
+    error; fairseq failing is a warning (it must not stand in the way of metaseq)."""
+    sub = _Patches()
+    try:
+        if lib == "metaseq":
+            _patch_metaseq(sub, hydra_schema=_STATE.hydra_schema)
+        else:
+            _patch_fairseq(sub)
+    except Exception as e:
+        sub.undo()
+        if lib == "metaseq":
+            raise
+        logger.warning("metaseq-oneload: %s is installed but could not be patched (%s: %s)", lib, type(e).__name__, e)
+        return False
+    patches._undo.extend(sub._undo)
+    return True
+
+
+def _patch_later(names: Sequence[str]) -> None:
+    """(import hook) A library the program imports after install(): patch it now. A
+    failure is logged, never raised: it would make the program's own import fail."""
+    with _LOCK:
+        if _STATE.patches is None:
+            return
+        for lib in names:
+            if lib not in sys.modules or lib in _STATE.libraries:
+                continue
+            try:
+                patched = _patch_library(_STATE.patches, lib)
+            except Exception as e:  # noqa: BLE001
+                logger.error("metaseq-oneload: %s was imported after install() and could not be patched (%s: %s); "
+                             "its loading is left as it is", lib, type(e).__name__, e)
+                continue
+            if patched:
+                _STATE.libraries += (lib,)
+                logger.info("metaseq-oneload: installed for %s (imported after install())", lib)
 
 
 def uninstall() -> bool:
-    """(every rank, local) Undo :func:`install`: every patched name gets its original back.
-    Returns False if nothing was installed."""
+    """(every rank, local) Undo :func:`install`: every patched name gets its original back,
+    the configuration returns to the defaults. Returns False if nothing was installed."""
     with _LOCK:
-        if _STATE.patches is None:
-            return False
-        _STATE.patches.undo()
-        _STATE.patches = None
-        _STATE.originals.clear()
-        _STATE.libraries = ()
+        done = _uninstall_locked()
+        _STATE.config = OneloadConfig()
         _STATE.explicit = frozenset()
-        return True
+        return done
+
+
+def _uninstall_locked() -> bool:
+    if _STATE.patches is None:
+        return False
+    _STATE.patches.undo()
+    _STATE.patches = None
+    _STATE.originals.clear()
+    _STATE.libraries = ()
+    return True
 
 
 def installed() -> bool:
@@ -266,8 +351,8 @@ def _patch_metaseq(patches: _Patches, *, hydra_schema: bool = False) -> None:
     old = _swap(patches, file_io, "torch_load_cpu", _torch_load_cpu)
     try:  # imports torch_load_cpu's caller by name; imported here so that it is patched too
         importlib.import_module("metaseq.distributed.stitch_fsdp_ckpt")
-    except ImportError as e:
-        logger.debug("metaseq.distributed.stitch_fsdp_ckpt not importable: %s", e)
+    except Exception as e:  # noqa: BLE001  (any import-time failure: that module stays unpatched)
+        logger.debug("metaseq.distributed.stitch_fsdp_ckpt not importable: %s: %s", type(e).__name__, e)
     _rebind(patches, "metaseq", "torch_load_cpu", old, _torch_load_cpu)
 
     _swap(patches, checkpoint_utils, "load_checkpoint_to_cpu", _load_checkpoint_to_cpu)
@@ -280,11 +365,13 @@ def _patch_metaseq(patches: _Patches, *, hydra_schema: bool = False) -> None:
     _swap(patches, options, "parse_args_and_arch", _parse_args_and_arch)
     if getattr(fsdp_module, "has_FSDP", False):
         _swap(patches, fsdp_module.FullyShardedDataParallel, "load_state_dict", _fsdp_wrapper_load_state_dict)
-    try:  # needs the tokenizers package; training does not
+    try:  # needs the tokenizers package (and whatever else it imports); training does not
         hub_utils = importlib.import_module("metaseq.hub_utils")
+    except Exception as e:  # noqa: BLE001  (not only ImportError: any failure of its imports)
+        logger.warning("metaseq-oneload: metaseq.hub_utils cannot be imported (%s: %s); "
+                       "GeneratorInterface.load_model is not patched", type(e).__name__, e)
+    else:
         _swap(patches, hub_utils.GeneratorInterface, "load_model", _generator_load_model)
-    except ImportError as e:
-        logger.warning("metaseq-oneload: metaseq.hub_utils not importable (%s); GeneratorInterface not patched", e)
 
     if hydra_schema:
         # metaseq's structured base_config gains an optional `oneload` node, so that Hydra
@@ -384,35 +471,77 @@ def _fsdp_root(model: Any) -> Any:
     return model if isinstance(model, FullyShardedDataParallel) else None
 
 
-def _qkv_for(model: Any, metadata: Optional[Mapping] = None) -> str:
-    """How ``model`` names its attention projections: fused ``qkv_proj`` (metaseq) or split
-    ``k_proj``/``v_proj``/``q_proj``; "auto" (the engine's choice) when it has neither."""
+def _qkv(model: Any, metadata: Optional[Mapping] = None) -> str:
+    """How ``model`` names its attention projections (:func:`._plan.qkv_naming`): "fused"
+    (metaseq's ``qkv_proj``), "split", or "keep" (neither: stored names stay). Without a
+    model, "auto": metaseq's fused naming for metaseq checkpoints."""
     if metadata is not None:
-        names = [n for pm in metadata["param_metadata"] for v in pm["params"].values() for n in v["names"]]
-    else:
-        names = list(model.state_dict(keep_vars=True)) if model is not None else []
-    if any(n.endswith("self_attn.qkv_proj.weight") for n in names):
-        return "fused"
-    if any(n.endswith("self_attn.k_proj.weight") for n in names):
-        return "split"
-    return "auto"
+        return qkv_naming(n for g in FlatStructure.from_metadata(metadata).groups for n in g.names)
+    if model is None:
+        return "auto"
+    return qkv_naming(model.state_dict(keep_vars=True))
 
 
-def _rank_file(layout, dp_group: Any = None, mp_group: Any = None) -> str:
-    """(local) The file of the set that this rank would have saved, when the saved layout
-    has one for it, else the set's first file."""
+def _rest_file(layout, dp_group: Any = None, mp_group: Any = None) -> str:
+    """(local) The file whose cfg, meters and extra_state go with this rank
+    (:func:`._optim.rest_source`, the rule the offline conversion follows too)."""
     mp_rank, mp_size = _rank_in(mp_group)
     dp_rank, dp_size = _rank_in(dp_group)
-    part = mp_rank if layout.model_parallel_size == mp_size else 0
-    shard = dp_rank if layout.shards_per_part == dp_size else 0
-    return layout.files[part][shard].path
+    return rest_source(layout, mp_rank, mp_size, dp_rank, dp_size)
+
+
+def _named_part(path: Any, layout) -> Optional[int]:
+    """The model part of the set that ``path`` names when it is one existing file of it
+    (a link to one included), else None (a folder, an un-suffixed name)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return None
+    real = os.path.realpath(path)
+    for row in layout.files:
+        for f in row:
+            if os.path.realpath(f.path) == real:
+                return f.part
+    return None
+
+
+def _part_layout(layout, part: int):
+    """``layout`` reduced to its model part ``part``, as a set of one part: what a script
+    that names one part's file (and has no model-parallel group) reads."""
+    if layout.model_parallel_size == 1:
+        return layout
+    from collections import OrderedDict
+
+    p = layout.parts[part]
+    tensors = OrderedDict((n, dataclasses.replace(t, part=0)) for n, t in p.tensors.items())
+    files = tuple(dataclasses.replace(f, part=0) for f in layout.files[part])
+    return dataclasses.replace(layout, files=(files,), parts=(dataclasses.replace(p, index=0, tensors=tensors),))
+
+
+def _fuse_split_qkv(model: Mapping) -> Mapping:
+    """``model`` with each split ``k_proj``/``v_proj``/``q_proj`` (weight, bias) fused into
+    metaseq's ``qkv_proj`` = cat([k, v, q]), at ``k_proj``'s place; other entries as they are."""
+    out = model.copy() if isinstance(model, dict) else dict(model)
+    out.clear()
+    done = set()
+    for name, value in model.items():
+        head, _, leaf = name.rpartition(".")
+        base, _, proj = head.rpartition(".")
+        if proj in ("k_proj", "v_proj", "q_proj") and base.endswith("self_attn"):
+            parts = [model.get(f"{base}.{x}.{leaf}") for x in ("k_proj", "v_proj", "q_proj")]
+            if all(torch.is_tensor(t) for t in parts):
+                if (base, leaf) not in done:
+                    done.add((base, leaf))
+                    out[f"{base}.qkv_proj.{leaf}"] = torch.cat(parts)
+                continue
+        out[name] = value
+    return out
 
 
 def _engine_load(layout, *, process_group=None, model_parallel_group=None, flat=False, shard_metadata=None,
                  qkv="auto"):
     """(collective over the groups given) The engine's load with the installed options."""
     cfg = _STATE.config
-    lc = load_checkpoint(layout.all_files[0].path, process_group=process_group,
+    # The layout itself, not a path: it may be one part of a set (_part_layout).
+    lc = load_checkpoint(layout, process_group=process_group,
                          model_parallel_group=model_parallel_group, flat=flat, shard_metadata=shard_metadata,
                          strategy=cfg.strategy if cfg.enabled else "auto", bucket_mb=cfg.bucket_mb,
                          verify=cfg.verify, qkv=qkv)
@@ -506,110 +635,93 @@ def _optimizer_problem(layout, why: str, ctx: Optional[_TrainerLoad]) -> None:
     logger.warning("metaseq-oneload: %s", message)
 
 
-def _flat_structure(meta: Mapping) -> list:
-    return [(pm.get("fsdp_path", "") or "", name, [tuple(s) for s in v["shapes"]])
-            for pm in meta["param_metadata"] for name, v in pm["params"].items()]
-
-
-def _saved_shards_fit(layout, part: int, dp_size: int, opt: Optional[Mapping] = None) -> bool:
-    """Whether saved shard d (weights, and the optimizer state ``opt`` of one of them) is
-    exactly what fairscale gives data-parallel rank d now."""
-    if layout.shards_per_part != dp_size:
-        return False
+def _state_sizes_fit(opt: Mapping, layout, part: int, shard: int, shards: int) -> bool:
+    """Whether a saved flat optimizer state holds one value per flat parameter, each the
+    size of fairscale's shard ``shard`` of ``shards`` (metaseq's reshard_fsdp keeps the old
+    padding inside the state: 4674 per shard for 9346 elements, which a world of 2 does not
+    take as it is)."""
+    state = opt.get("state") if isinstance(opt.get("state"), Mapping) else {}
     fps = layout.parts[part].flat_params
-    for fp in fps:
-        for d in range(dp_size):
-            lo, hi, size = flat_shard_range(fp.total_numel, d, dp_size)
-            if fp.real_numels[d] != hi - lo or fp.shard_numels[d] != size:
-                return False
-    state = (opt or {}).get("state", {})
-    for key, fp in zip(sorted(state), fps):
-        size = flat_shard_range(fp.total_numel, 0, dp_size)[2]
-        if any(torch.is_tensor(v) and v.dim() > 0 and v.numel() != size for v in state[key].values()):
-            return False  # e.g. metaseq's reshard_fsdp keeps the old padding inside the state
+    if len(state) != len(fps):
+        return False
+    for key, fp in zip(sorted(state, key=str), fps):
+        size = flat_shard_range(fp.total_numel, shard, shards)[2]
+        entry = state[key]
+        if not isinstance(entry, Mapping):
+            return False
+        if any(torch.is_tensor(v) and v.dim() > 0 and v.numel() != size for v in entry.values()):
+            return False
     return True
 
 
-def _reshard_flat_optimizer(layout, part: int, dp_rank: int, dp_size: int, skeleton: dict) -> dict:
-    """(local) This rank's optimizer state for ``dp_size`` data-parallel ranks, cut from
-    the saved shards' flat optimizer states as fairscale shards a flat parameter. Owns its
-    memory (``skeleton`` may be memory-mapped).
+def rank_optimizer_state(layout, opt: Mapping, *, part: int, parts: int, shard: int, shards: int, flat: bool,
+                         qkv: str = "auto", structure: Optional[FlatStructure] = None,
+                         params: Optional[Sequence[str]] = None) -> Tuple[Optional[dict], str]:
+    """(local) (this rank's optimizer state, "") or (None, why not), for target model part
+    ``part`` of ``parts`` and, ``flat``, data-parallel shard ``shard`` of ``shards`` of the
+    flat parameters ``structure`` (default: the saved wrapping); unflattened, one entry per
+    parameter of ``params`` (default: the checkpoint's parameter order).
 
-    The saved shards' values, concatenated, hold the real elements first and padding at the
-    tail, whether fairscale wrote them (the last shard padded) or metaseq's reshard_fsdp did
-    (which keeps old padding inside the state: 4674 elements per shard for 9346 real ones);
-    only the parts overlapping this rank's range are read, memory-mapped.
+    ``opt`` is the saved optimizer state of the file that goes with this rank (its
+    ``step``, ``param_groups`` and loss scale are kept). Where the saved files already are
+    this rank's layout the state is taken as saved; otherwise it is planned like the weights
+    (:func:`._optim.plan_optimizer`) and read now (:func:`._optim.materialize`): the path the
+    offline conversion streams to disk, so both give the same values.
     """
-    fps = layout.parts[part].flat_params
-    state = skeleton.get("state", {})
-    keys = sorted(state)
-    if len(keys) != len(fps):
-        raise CheckpointLayoutError(
-            f"{layout.display_name}: the optimizer state has {len(keys)} entries but model part {part} has "
-            f"{len(fps)} flat parameters; it does not belong to these weights."
-        )
-    files = layout.files[part]
-    sources: dict = {}
+    weights = plan_part(layout, parts, part, qkv=qkv)
+    if flat:
+        structure = structure if structure is not None else FlatStructure.from_layout(layout, weights)
+        structure.check_against(weights)
+    if same_weights_layout(layout, parts=parts, shards=shards, flat=flat, structure=structure) and (
+            not flat or _state_sizes_fit(opt, layout, part, shard, shards)):
+        return _materialize(opt), ""
+    if flat:
+        order = [n for g in structure.groups for n in g.names]
+    else:
+        buffers = set(layout.parts[0].buffer_names)
+        order = list(params) if params is not None else [
+            n for n, t in weights.items() if t.alias_of is None and n not in buffers]
+    plan, why = plan_optimizer(layout, parts, qkv, {part: order}, {part: weights}, parts=[part])
+    if plan is None:
+        return None, why
+    return materialize(plan, part, opt, structure=structure if flat else None, shard=shard, shards=shards,
+                       params=None if flat else order), ""
 
-    def source(d: int) -> Mapping:
-        if d not in sources:
-            sources[d] = _reading.load_object(files[d].path, mmap=True)[OPT_KEY]["state"]
-        return sources[d]
 
-    out_state = {}
-    for key, fp in zip(keys, fps):
-        lo, hi, size = flat_shard_range(fp.total_numel, dp_rank, dp_size)
-        entry = {}
-        for name, value in state[key].items():
-            if not torch.is_tensor(value) or value.dim() == 0:
-                entry[name] = _materialize(value)
-                continue
-            per = value.numel()
-            if value.dim() != 1 or per * len(files) < fp.total_numel:
-                raise CheckpointLayoutError(
-                    f"{files[0].path}: optimizer state {key}.{name} has shape {tuple(value.shape)}, too small for "
-                    f"flat parameter {fp.key} ({fp.total_numel} elements over {len(files)} shards); they do not match."
-                )
-            new = torch.zeros(size, dtype=value.dtype)
-            for d in range(len(files)):
-                a, b = max(lo, d * per), min(hi, (d + 1) * per)
-                if a < b:
-                    saved = source(d)[key][name]
-                    if saved.numel() != per:
-                        raise CheckpointLayoutError(
-                            f"{files[d].path}: optimizer state {key}.{name} has {saved.numel()} elements, "
-                            f"{files[0].path} has {per}: the shards come from different saves.")
-                    new[a - lo: b - lo].copy_(saved[a - d * per: b - d * per])
-            entry[name] = new
-        out_state[key] = entry
-    sources.clear()
-    out = _materialize({k: v for k, v in skeleton.items() if k != "state"})
-    out["state"] = out_state
+def _param_order(ctx: Optional[_TrainerLoad], weights_names: Iterable[str]) -> Optional[list]:
+    """The trainer's optimizer parameter order in checkpoint names, when every name is
+    known (a wrapper's ``module.`` prefixes stripped); else None (the checkpoint's order)."""
+    if ctx is None or ctx.param_names is None:
+        return None
+    known = set(weights_names)
+    out = []
+    for n in ctx.param_names:
+        while n not in known and n.startswith("module."):
+            n = n[len("module."):]
+        if n not in known:
+            return None
+        out.append(n)
     return out
 
 
-def _place_optimizer_state(state: dict, layout, *, flat: bool, model_fsdp: Any, dp_group: Any, mp_group: Any,
-                           ctx: Optional[_TrainerLoad]) -> None:
+def _place_optimizer_state(state: dict, layout, *, flat: bool, model_fsdp: Any, part: int, parts: int,
+                           shard: int, shards: int, ctx: Optional[_TrainerLoad], qkv: str,
+                           structure: Optional[FlatStructure]) -> None:
     """(local) Make ``state[OPT_KEY]`` the optimizer state this rank's trainer expects, or
     refuse (with a trainer) / drop it with a warning (without one)."""
     opt = state.get(OPT_KEY)
     if opt is None:
         return
-    mp_rank, mp_size = _rank_in(mp_group)
-    dp_rank, dp_size = _rank_in(dp_group)
-    part = mp_rank if layout.model_parallel_size == mp_size else 0
     if isinstance(opt, int) and opt == -1:
         # FSDP without sharded state: only data-parallel rank 0 saved the full optimizer state.
-        opt = _read_rest(layout.files[part][0].path, skip_optimizer=False).get(OPT_KEY)
-        if isinstance(opt, int):
+        opt = _read_rest(rest_source(layout, part, parts, 0, shards), skip_optimizer=False).get(OPT_KEY)
+        if isinstance(opt, int) or opt is None:
             state[OPT_KEY] = None
             logger.warning("metaseq-oneload: %s: no full optimizer state in the set", layout.display_name)
             return
-    if layout.model_parallel_size != mp_size:
+    if not isinstance(opt, Mapping):
         state[OPT_KEY] = None
-        _optimizer_problem(layout, f"it was saved for model-parallel size {layout.model_parallel_size} and this "
-                           f"run has {mp_size}", ctx)
-        return
+        return _optimizer_problem(layout, f"it is a {type(opt).__name__}, not an optimizer state dict", ctx)
     saved = "local_flat" if layout.flat else ("full_fsdp" if "param_id_map" in opt else "plain")
     if ctx is None:
         target = "local_flat" if flat else saved
@@ -617,31 +729,43 @@ def _place_optimizer_state(state: dict, layout, *, flat: bool, model_fsdp: Any, 
         target = "local_flat" if ctx.use_sharded_state else "full_fsdp"
     else:
         target = "plain"
-    if saved == "local_flat" and target == "local_flat":
-        if model_fsdp is not None:
-            have = _flat_structure(model_fsdp.local_metadata_dict())
-            hdr = layout.header(part, 0)
-            want = _flat_structure(hdr[layout.metadata_key]) if layout.metadata_key else []
-            if have != want:
-                state[OPT_KEY] = None
-                return _optimizer_problem(layout, "the model is wrapped into other FSDP flat parameters than "
-                                          "the run that saved it", ctx)
-        if _saved_shards_fit(layout, part, dp_size, opt):
+    names = {"local_flat": "FSDP flat shards", "full_fsdp": "a full FSDP optimizer state",
+             "plain": "an unsharded optimizer state"}
+    if saved == "full_fsdp" or target == "full_fsdp":
+        # fairscale's own format, indexed by its param_id_map: kept, or cut by fairscale.
+        if saved != "full_fsdp" or layout.model_parallel_size != parts:
+            state[OPT_KEY] = None
+            why = (f"it holds {names[saved]} and this run's optimizer expects {names[target]}" if saved != target
+                   else f"it was saved for model-parallel size {layout.model_parallel_size} and this run has {parts}")
+            return _optimizer_problem(layout, why, ctx)
+        if target == "local_flat" and model_fsdp is not None:
+            state[OPT_KEY] = _materialize(model_fsdp.get_shard_from_optim_state_dict(opt))
+        elif target == "full_fsdp":
             state[OPT_KEY] = _materialize(opt)
         else:
-            state[OPT_KEY] = _reshard_flat_optimizer(layout, part, dp_rank, dp_size, opt)
-            logger.info("metaseq-oneload: optimizer state resharded from %d to %d data-parallel ranks",
-                        layout.shards_per_part, dp_size)
+            state[OPT_KEY] = None
+            _optimizer_problem(layout, f"it holds {names[saved]} and this run's optimizer expects {names[target]}", ctx)
         return
-    if saved == "full_fsdp" and target == "local_flat" and model_fsdp is not None:
-        state[OPT_KEY] = _materialize(model_fsdp.get_shard_from_optim_state_dict(opt))
-        return
-    if saved == target:
-        state[OPT_KEY] = _materialize(opt)
-        return
-    state[OPT_KEY] = None
-    names = {"local_flat": "FSDP flat shards", "full_fsdp": "a full FSDP optimizer state", "plain": "an unsharded optimizer state"}
-    _optimizer_problem(layout, f"it holds {names[saved]} and this run's optimizer expects {names[target]}", ctx)
+    # Flat shards or per-parameter state: resharded exactly like the weights, whatever the
+    # saved and the target data- and model-parallel sizes.
+    try:
+        params = None
+        if target == "plain":
+            weights = plan_part(layout, parts, part, qkv=qkv)
+            params = _param_order(ctx, weights)
+            if params is None and saved == "local_flat":
+                raise ValueError("the flat shards do not record the order of the model's parameters")
+        new, why = rank_optimizer_state(layout, opt, part=part, parts=parts, shard=shard, shards=shards,
+                                        flat=target == "local_flat", qkv=qkv, structure=structure, params=params)
+    except (CheckpointLayoutError, ValueError, KeyError) as e:
+        new, why = None, str(e)
+    if new is None:
+        state[OPT_KEY] = None
+        return _optimizer_problem(layout, why, ctx)
+    state[OPT_KEY] = new
+    if not same_weights_layout(layout, parts=parts, shards=shards, flat=target == "local_flat", structure=structure):
+        logger.info("metaseq-oneload: optimizer state resharded from %dx%d to %dx%d like the weights",
+                    layout.model_parallel_size, layout.shards_per_part, parts, shards)
 
 
 # --------------------------------------------------------------------------- checkpoint_utils
@@ -652,16 +776,48 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     every data-parallel rank loads: an FSDP trainer, or any FSDP-sharded checkpoint;
     collective) metaseq's ``load_checkpoint_to_cpu`` through the engine.
 
-    ``path`` may be any file of the set, its folder or the un-suffixed name. ``state["model"]``
-    is this rank's part: its FSDP shard for this data-parallel size (with the matching
-    ``shard_metadata``) when the checkpoint is flat or the loading trainer's model is FSDP,
-    else its model-parallel part, unflattened, with metaseq's fused ``qkv_proj``.
+    In a trainer's ``load_checkpoint``, ``state["model"]`` is exactly what that trainer's
+    model holds: its FSDP shard with the matching ``shard_metadata``, or its model-parallel
+    part, unflattened, named as the model names its attention projections.
+
+    Outside a trainer, ``path`` naming one existing file of the set reads as metaseq reads
+    it: the file as it is when this process's layout takes it so (no model-parallel group,
+    or one of the saved size; unflattened, or as many data-parallel ranks as saved shards),
+    else that file's model part with its flat shards merged or split for this data-parallel
+    size. A folder or an un-suffixed name gives this rank's part of the whole checkpoint.
     """
     if _remote(path):
         return _original("metaseq.checkpoint_utils.load_checkpoint_to_cpu")(path, arg_overrides, load_on_all_ranks)
     ctx: Optional[_TrainerLoad] = getattr(_CONTEXT, "load", None)
-    layout = ctx.layout if ctx is not None and ctx.layout is not None else _locate(path)
     dp, mp = _groups()
+    if ctx is not None and ctx.layout is not None:
+        return _engine_state(ctx.layout, ctx, dp, mp, arg_overrides)
+    layout = _locate(path)
+    part = _named_part(path, layout) if ctx is None else None
+    if part is not None and (mp is None or _rank_in(mp)[1] == layout.model_parallel_size):
+        if not layout.flat or layout.shards_per_part == _rank_in(dp)[1]:
+            return _as_saved(path, layout, arg_overrides)
+        layout, mp = _part_layout(layout, part), None
+    return _engine_state(layout, ctx, dp, mp, arg_overrides)
+
+
+def _as_saved(path, layout, arg_overrides) -> dict:
+    """(local) The file ``path`` as metaseq's own ``load_checkpoint_to_cpu`` returns it,
+    read through the safe reader (not memory-mapped). Split ``k_proj``/``v_proj``/``q_proj``
+    of a metaseq checkpoint (its consolidated singletons) come fused into ``qkv_proj``: no
+    metaseq model has split projections, and metaseq's reshard scripts read both."""
+    state = _torch_load_cpu(path)
+    if not isinstance(state, dict):
+        raise CheckpointLayoutError(f"{path}: expected a metaseq checkpoint (a dict), found {type(state).__name__}.")
+    if layout.flavor == "metaseq" and isinstance(state.get("model"), Mapping) and not layout.flat:
+        state["model"] = _fuse_split_qkv(state["model"])
+    return _finish_state(state, arg_overrides)
+
+
+def _engine_state(layout, ctx: Optional[_TrainerLoad], dp: Any, mp: Any, arg_overrides) -> dict:
+    """(collective over the groups it loads with) A whole checkpoint state for this rank:
+    weights through the engine, the rest from the file that goes with this rank, the
+    optimizer state resharded like the weights, layout-specific extra_state dropped."""
     model_fsdp = _fsdp_root(ctx.model) if ctx is not None else None
     if ctx is not None:
         flat = model_fsdp is not None
@@ -671,12 +827,16 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         flat = layout.flat
         group = dp if flat else None
     metadata = model_fsdp.local_metadata_dict() if model_fsdp is not None else None
+    qkv = _qkv(ctx.model, metadata) if ctx is not None else "auto"
     lc = _engine_load(layout, process_group=group, model_parallel_group=mp, flat=flat, shard_metadata=metadata,
-                      qkv=_qkv_for(ctx.model, metadata) if ctx is not None else "auto")
+                      qkv=qkv)
+    mp_rank, mp_size = _rank_in(mp)
+    dp_rank, dp_size = _rank_in(group)
     skip = bool(ctx is not None and ctx.reset_optimizer)
-    state = _read_rest(_rank_file(layout, group, mp), skip_optimizer=skip)
+    state = _read_rest(rest_source(layout, mp_rank, mp_size, dp_rank, dp_size), skip_optimizer=skip)
     state["model"] = lc.model
     state.pop("fsdp_metadata", None)
+    structure = FlatStructure.from_metadata(lc.shard_metadata) if flat else None
     if flat:
         state["shard_metadata"] = lc.shard_metadata
     else:
@@ -684,12 +844,14 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     if skip:
         state[OPT_KEY] = None
     else:
-        _place_optimizer_state(state, layout, flat=flat, model_fsdp=model_fsdp, dp_group=group, mp_group=mp, ctx=ctx)
-    mp_rank, mp_size = _rank_in(mp)
-    extra = state.get("extra_state")
-    if layout.model_parallel_size != mp_size and isinstance(extra, dict) and "rng_tracker_states" in extra:
-        # Per model-parallel rank; with another model-parallel size none of them is this rank's.
-        extra.pop("rng_tracker_states")
+        _place_optimizer_state(state, layout, flat=flat, model_fsdp=model_fsdp, part=mp_rank, parts=mp_size,
+                               shard=dp_rank, shards=dp_size, ctx=ctx, qkv=qkv, structure=structure)
+    if "extra_state" in state:
+        same = same_weights_layout(layout, parts=mp_size, shards=dp_size, flat=flat, structure=structure)
+        state["extra_state"], notes = carry_extra_state(
+            state["extra_state"], same_parts=layout.model_parallel_size == mp_size, same_weights=same)
+        for note in notes:
+            logger.warning("metaseq-oneload: %s: %s", layout.display_name, note)
     return _finish_state(state, arg_overrides)
 
 
@@ -702,10 +864,10 @@ def _load_weights(model: Any, layout, *, strict: bool = True) -> Any:
     if fsdp is not None:
         metadata = fsdp.local_metadata_dict()
         lc = _engine_load(layout, process_group=_real_group(fsdp.process_group), model_parallel_group=mp, flat=True,
-                          shard_metadata=metadata, qkv=_qkv_for(fsdp, metadata))
+                          shard_metadata=metadata, qkv=_qkv(fsdp, metadata))
         _fsdp_load_local(fsdp, lc.model, strict=strict)
     else:
-        lc = _engine_load(layout, process_group=dp, model_parallel_group=mp, flat=False, qkv=_qkv_for(model))
+        lc = _engine_load(layout, process_group=dp, model_parallel_group=mp, flat=False, qkv=_qkv(model))
         model.load_state_dict(lc.model, strict=strict)
     return lc.report
 
@@ -734,7 +896,7 @@ def _load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stri
                 "Drop --checkpoint-shard-count (the files tell) or point at the right checkpoint."
             )
         dp, mp = _groups()
-        rest = _finish_state(_read_rest(_rank_file(layout, None, mp), skip_optimizer=True), arg_overrides)
+        rest = _finish_state(_read_rest(_rest_file(layout, None, mp), skip_optimizer=True), arg_overrides)
         cfg = rest.get("cfg")
         if cfg is None:
             raise CheckpointLayoutError(f"{layout.display_name}: no cfg in the checkpoint; expected a metaseq checkpoint.")
@@ -764,7 +926,7 @@ def _load_checkpoint(cfg, trainer, **passthrough_args):
             cfg.finetune_from_model = None  # a restart resumes from checkpoint_last, as metaseq intends
         elif not os.path.exists(finetune):
             dp, mp = _groups()
-            cfg.finetune_from_model = _rank_file(_locate(finetune), dp, mp)
+            cfg.finetune_from_model = _rest_file(_locate(finetune), dp, mp)
         return original(cfg, trainer, **passthrough_args)
     finally:
         cfg.finetune_from_model = finetune
@@ -784,7 +946,7 @@ def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_sch
     ``Trainer.load_checkpoint`` with ``filename`` resolved by layout discovery and the state
     loaded through the engine for exactly this trainer's model: its FSDP shard (any saved
     shard count, padding included) or its model-parallel part; the optimizer state
-    resharded when only the data-parallel size changed."""
+    resharded like the weights (data- and model-parallel sizes)."""
     original = _original("metaseq.trainer.Trainer.load_checkpoint")
     if _remote(filename):
         return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
@@ -796,12 +958,14 @@ def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_sch
     fsdp = _fsdp_root(model)
     dp, mp = _groups()
     group = _real_group(fsdp.process_group) if fsdp is not None else dp
+    inner = getattr(self, "_model", None) or model
+    names = tuple(n for n, p in inner.named_parameters() if p.requires_grad) if fsdp is None else None
     ctx = _TrainerLoad(model=model, is_fsdp=bool(self.is_fsdp), use_sharded_state=bool(self.use_sharded_state),
-                       reset_optimizer=bool(reset_optimizer), layout=layout)
+                       reset_optimizer=bool(reset_optimizer), layout=layout, param_names=names)
     previous = getattr(_CONTEXT, "load", None)
     _CONTEXT.load = ctx
     try:
-        return original(self, _rank_file(layout, group, mp), reset_optimizer, reset_lr_scheduler,
+        return original(self, _rest_file(layout, group, mp), reset_optimizer, reset_lr_scheduler,
                         optimizer_overrides, reset_meters)
     finally:
         _CONTEXT.load = previous
@@ -910,19 +1074,37 @@ def _fsdp_wrapper_load_state_dict(self, state_dict, strict=True):
     return FullyShardedDataParallel.load_state_dict(self, state_dict, strict)
 
 
-def _checksum(t: torch.Tensor) -> float:
-    """float64 sum of a tensor, in bounded chunks (no float64 copy of a large tensor)."""
-    flat = t.detach().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    step = 1 << 22
-    return sum(float(flat[lo: lo + step].double().sum()) for lo in range(0, flat.numel(), step))
+def _feed(h: Any, value: Any) -> None:
+    """Feed ``value`` to the hash ``h``: tensors by dtype, shape and every byte (so two
+    tensors holding the same numbers in another order differ), containers item by item."""
+    if torch.is_tensor(value):
+        t = value.detach()
+        h.update(json.dumps(["tensor", str(t.dtype), list(t.shape)]).encode())
+        flat = t.reshape(-1)
+        if flat.is_complex() or flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat).reshape(-1)
+        raw = flat.contiguous().view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+        step = 1 << 24
+        for lo in range(0, raw.numel(), step):
+            h.update(memoryview(raw[lo: lo + step].cpu().numpy()))
+    elif isinstance(value, Mapping):
+        h.update(f"map{len(value)}".encode())
+        for k, v in value.items():
+            h.update(repr(k).encode())
+            _feed(h, v)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}{len(value)}".encode())
+        for v in value:
+            _feed(h, v)
+    else:
+        h.update(repr(value).encode())
 
 
 def _digest(state_dict: Mapping) -> str:
-    desc = [(k, str(v.dtype), list(v.shape), _checksum(v)) if torch.is_tensor(v) else (k, repr(type(v)))
-            for k, v in state_dict.items()]
-    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()
+    """A hash of a state dict's names and bytes (not of float sums: [1, 2, 3] is not [3, 2, 1])."""
+    h = hashlib.sha256()
+    _feed(h, dict(state_dict))
+    return h.hexdigest()
 
 
 def _same_everywhere(state_dict: Mapping, group: Any) -> Mapping:

@@ -17,6 +17,16 @@ not laid out like the parameters (``step``) must agree for every parameter and a
 The concatenation of one flat parameter's state over its shards is read as "real elements
 first, padding at the tail", which also holds for what metaseq's ``reshard_fsdp`` writes (it
 keeps the padding inside the state: 4674 elements per shard for 9346 real ones).
+
+:func:`rank_state` lays out one target rank's state from an :class:`OptimizerPlan`;
+:func:`materialize` fills it now (``install()``'s Trainer.load_checkpoint), while the offline
+conversion hands the same layout to its streaming writer. Both ways give the same bytes.
+
+The rest of a checkpoint follows one rule too, shared by ``install()`` and the conversion:
+:func:`rest_source` says which saved file a target file takes its ``cfg``, meters and
+``extra_state`` from, and :func:`carry_extra_state` drops what of ``extra_state`` belongs to
+the saved layout only (the per-model-parallel-rank RNG tracker states; the EMA copy, which is
+laid out like the saved weights).
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ import torch
 
 from ._errors import OneloadError
 from ._layout import CheckpointLayout, StoredTensor
-from ._plan import TargetTensor, plan_part
+from ._plan import FlatGroup, FlatStructure, TargetTensor, plan_part
 from ._reading import Extent, key_path, read_header, storage_byte_offset
+from ._writing import Piece
 
-__all__ = ["OptimizerPlan", "plan_optimizer", "state_of"]
+__all__ = ["OptimizerPlan", "plan_optimizer", "state_of", "flat_pieces", "rank_state", "materialize",
+           "rest_source", "same_weights_layout", "carry_extra_state"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,7 @@ class OptimizerPlan:
     aligned: frozenset  # keys whose values are laid out like the parameters
     scalars: Mapping  # non-tensor values, equal for every parameter (``step``)
     param_groups: tuple
-    targets: tuple  # [part] -> {key: {name: TargetTensor}}
+    targets: tuple  # [part] -> {key: {name: TargetTensor}}; None for a part not planned
     dtypes: Mapping  # key -> dtype
 
 
@@ -190,18 +202,21 @@ def _optimizer_shadows(layout: CheckpointLayout) -> tuple:
 
 
 def plan_optimizer(layout: CheckpointLayout, model_parallel: int, qkv: str, params_per_part: Sequence[Sequence[str]],
-                   weights: Sequence[Mapping[str, TargetTensor]]) -> tuple:
+                   weights: Sequence[Mapping[str, TargetTensor]], *, parts: Optional[Sequence[int]] = None) -> tuple:
     """(any rank, local) (:class:`OptimizerPlan`, None), or (None, why it cannot be carried).
 
     ``params_per_part[m]`` lists the parameters of target part ``m`` in the order the
     target optimizer indexes them; ``weights[m]`` their planned weights (shapes must agree).
+    ``parts``: plan only these target parts (one rank needs its own); default all. Both
+    sequences (or mappings) need entries for the parts planned only.
     """
     found, reason = _optimizer_shadows(layout)
     if found is None:
         return None, reason
     shadows, keys, aligned, scalars, groups, dtypes = found
-    per_part = []
-    for m in range(model_parallel):
+    wanted = range(model_parallel) if parts is None else sorted(set(parts))
+    per_part: list = [None] * model_parallel
+    for m in wanted:
         by_key = {}
         for k in aligned:
             shadow = dataclasses.replace(layout, parts=tuple(
@@ -216,5 +231,176 @@ def plan_optimizer(layout: CheckpointLayout, model_parallel: int, qkv: str, para
                 if tuple(planned[n].shape) != tuple(weights[m][n].shape):
                     return None, f"optimizer '{k}' of {n} has shape {planned[n].shape}, the weight {weights[m][n].shape}"
             by_key[k] = planned
-        per_part.append(by_key)
+        per_part[m] = by_key
     return OptimizerPlan(keys, aligned, scalars, groups, tuple(per_part), dtypes), None
+
+
+# --------------------------------------------------------------------------- one rank's state
+
+
+def flat_pieces(g: FlatGroup, targets: Mapping[str, TargetTensor], shard: int, shards: int,
+                dtype: torch.dtype) -> tuple:
+    """(pieces, local size) of rank ``shard``'s flat shard of ``g`` for ``shards`` ranks: its
+    members' element ranges from ``targets``, then fairscale's zero padding (a Piece of None)."""
+    members, size = g.shard_pieces(shard, shards)
+    pieces = [Piece(targets[n], start, stop - start, dtype) for n, start, stop, _ in members]
+    filled = sum(stop - start for _, start, stop, _ in members)
+    if size > filled:
+        pieces.append(Piece(None, 0, size - filled, dtype))
+    return tuple(pieces), size
+
+
+def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Callable[[tuple, tuple, torch.dtype], Any],
+               structure: Optional[FlatStructure] = None, shard: int = 0, shards: int = 1,
+               params: Optional[Sequence[str]] = None) -> dict:
+    """(local) Target part ``part``'s ``last_optimizer_state`` for one rank.
+
+    With ``structure`` (FSDP flat parameters) there is one entry per flat parameter, this
+    rank's shard ``shard`` of ``shards`` as fairscale cuts it (zero padding at the tail);
+    without, one entry per parameter of ``params``, in that order. Each value laid out like
+    the parameters is ``make(pieces, shape, dtype)``, ``pieces`` being
+    :class:`~._writing.Piece` runs of the planned tensors; ``step`` and the like are copied
+    (a 0-d tensor from ``skeleton``, the source file's optimizer state), ``param_groups``
+    re-indexed, other top-level keys of ``skeleton`` (loss scale) copied.
+    """
+    planned = plan.targets[part]
+    if planned is None:
+        raise ValueError(f"the optimizer plan does not cover target part {part}")
+    src = skeleton.get("state") if isinstance(skeleton.get("state"), Mapping) else {}
+    first = src.get(0, src.get("0", {})) if src else {}
+    state: dict = {}
+
+    def entry(value_of: Callable[[str], Any]) -> dict:
+        e = {}
+        for k in plan.keys:
+            if k in plan.aligned:
+                e[k] = value_of(k)
+            elif torch.is_tensor(plan.scalars.get(k)):
+                v = first.get(k) if isinstance(first, Mapping) else None
+                e[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+            else:
+                e[k] = copy.deepcopy(plan.scalars[k])
+        return e
+
+    if structure is not None:
+        for i, g in enumerate(structure.groups):
+            def flat_value(k: str, g: FlatGroup = g) -> Any:
+                pieces, size = flat_pieces(g, planned[k], shard, shards, plan.dtypes[k])
+                return make(pieces, (size,), plan.dtypes[k])
+            state[i] = entry(flat_value)
+    else:
+        if params is None:
+            raise ValueError("rank_state: an unflattened target needs params (the optimizer's parameter order)")
+        for i, n in enumerate(params):
+            def value(k: str, n: str = n) -> Any:
+                tt = planned[k][n]
+                return make((Piece(tt, 0, tt.numel, tt.dtype),), tuple(tt.shape), tt.dtype)
+            state[i] = entry(value)
+    groups = copy.deepcopy(list(plan.param_groups))
+    groups[0]["params"] = list(range(len(state)))
+    out = {}
+    for k, v in skeleton.items():
+        if k == "state":
+            out[k] = state
+        elif k == "param_groups":
+            out[k] = groups
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def materialize(plan: OptimizerPlan, part: int, skeleton: Mapping, *, structure: Optional[FlatStructure] = None,
+                shard: int = 0, shards: int = 1, params: Optional[Sequence[str]] = None,
+                chunk_bytes: int = 64 << 20, trust_pickle: bool = False) -> dict:
+    """(local) :func:`rank_state` with every value read now (``_loading._fill``: only the
+    byte ranges this rank's values cover). Owns its memory (``skeleton`` may be mapped)."""
+    from ._loading import _fill
+    from ._reading import RangeReader
+
+    with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
+        def make(pieces: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            out = torch.empty(shape, dtype=dtype)
+            flat, pos = out.view(-1), 0
+            for p in pieces:
+                seg = flat[pos: pos + p.numel]
+                if p.source is None:
+                    seg.zero_()
+                else:
+                    _fill(p.source, seg, p.start, reader)
+                pos += p.numel
+            return out
+
+        return rank_state(plan, part, skeleton, make=make, structure=structure, shard=shard, shards=shards,
+                          params=params)
+
+
+# --------------------------------------------------------------------------- the rest of a checkpoint
+
+# Megatron's CUDA RNG tracker: one state per model-parallel rank.
+MODEL_PARALLEL_EXTRAS = ("rng_tracker_states",)
+# metaseq's EMA copy of the model (store_ema) and its fp32 master copy: laid out like the
+# file's own ``model`` (flat local shards under use_sharded_state, else the part's weights).
+WEIGHTS_EXTRAS = ("ema", "ema_fp32_params")
+
+
+def rest_source(layout: CheckpointLayout, part: int, parts: int, shard: int, shards: int) -> str:
+    """(local) The saved file whose ``cfg``, meters and ``extra_state`` go with target part
+    ``part`` of ``parts``, shard ``shard`` of ``shards``: the same grid position when the
+    saved layout has the same model-parallel size (and shard count), else part 0 (shard 0)."""
+    m = part if layout.model_parallel_size == parts else 0
+    d = shard if layout.shards_per_part == shards else 0
+    return layout.files[m][d].path
+
+
+def _structure_key(s: FlatStructure) -> list:
+    return [(g.fsdp_path, g.flat_name, tuple(g.names), tuple(tuple(int(x) for x in sh) for sh in g.shapes))
+            for g in s.groups]
+
+
+def same_weights_layout(layout: CheckpointLayout, *, parts: int, shards: int, flat: bool,
+                        structure: Optional[FlatStructure] = None) -> bool:
+    """(local) Whether a target of ``parts`` x ``shards`` (``flat``: fairscale flat shards
+    with FSDP wrapping ``structure``, default the saved one) holds, file for file, the
+    weights laid out as saved: then what is laid out like the saved weights (the optimizer
+    state, the EMA copy) can be taken as it is."""
+    from ._loading import _own_shard_fits  # the same test the engine's own-shard strategy makes
+
+    if layout.flat != flat:
+        return False
+    if not _own_shard_fits(layout, parts, shards if flat else layout.shards_per_part, flat)[0]:
+        return False
+    if not flat or structure is None:
+        return True
+    try:
+        saved = FlatStructure.from_metadata(read_header(layout.files[0][0].path)[layout.metadata_key])
+    except Exception:  # noqa: BLE001  (fairseq's fsdp_metadata, anything unexpected: not the same)
+        return False
+    return _structure_key(saved) == _structure_key(structure)
+
+
+def carry_extra_state(extra: Any, *, same_parts: bool, same_weights: bool) -> tuple:
+    """(``extra_state`` for a target file, notes): what of the saved file's ``extra_state``
+    belongs to the saved layout only is left out. ``same_parts``: the model-parallel size
+    is unchanged; ``same_weights``: the target's weights are laid out as saved
+    (:func:`same_weights_layout`). The input is never modified."""
+    if not isinstance(extra, Mapping):
+        return extra, ()
+    drop, notes = [], []
+    if not same_parts:
+        found = [k for k in MODEL_PARALLEL_EXTRAS if k in extra]
+        if found:
+            drop += found
+            notes.append(f"extra_state[{found[0]!r}] dropped: one RNG state per model-parallel rank, and the "
+                         "model-parallel size changes (metaseq seeds the tracker afresh)")
+    if not same_weights:
+        found = [k for k in WEIGHTS_EXTRAS if k in extra]
+        if found:
+            drop += found
+            notes.append(f"extra_state {', '.join(found)} dropped: the EMA copy is laid out like the saved weights "
+                         "(metaseq re-initialises EMA from the loaded weights, with a warning)")
+    if not drop:
+        return extra, ()
+    out = copy.copy(extra)  # keeps the mapping's type (OrderedDict)
+    for k in drop:
+        del out[k]
+    return out, tuple(notes)

@@ -13,9 +13,12 @@ A torch checkpoint is a zip archive that stores every tensor storage uncompresse
 
 Safetensors files (an 8-byte length, a JSON header, then raw bytes) are written the same way.
 
-Every output goes to a temporary name in its destination folder (``.NAME.tmp-PID``, which no
-checkpoint grammar matches) and :class:`OutputSet` renames them only when all are complete,
-so an interruption, ``kill -9`` included, leaves no file at any final name.
+Every output goes to a temporary name in its destination folder, created exclusively
+(``.NAME.oneload-tmp+HOST+PID+RANDOM``: no checkpoint grammar matches it, nobody can plant a
+file or a link there first) and :class:`OutputSet` renames them only when all are complete,
+so an interruption, ``kill -9`` included, leaves no file at any final name. The host and pid
+in the name let a later run remove what a dead process of the same host left, and nothing
+that another host (shared storage) is still writing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import errno
 import json
 import os
 import re
+import secrets
+import shutil
+import socket
 import struct
 import sys
 import threading
@@ -49,6 +55,10 @@ __all__ = [
     "storage_key",
     "OutputSet",
     "progress_bar",
+    "make_temp",
+    "stale_temps",
+    "remove_stale_temps",
+    "source_clash",
 ]
 
 _DATA_RECORD = re.compile(r"/data/\d+$")
@@ -192,18 +202,17 @@ def _walk(obj: Any, path: tuple = ()) -> Iterator[tuple]:
             yield from _walk(v, path + (k,))
 
 
-def _data_records(path: str) -> tuple:
-    """(infos of the zip's non-empty tensor records, central directory offset)."""
-    with zipfile.ZipFile(path) as zf:
+def _data_records(file: Any) -> tuple:
+    """(infos of the zip's records, central directory offset) of a path or an open file."""
+    with zipfile.ZipFile(file) as zf:
         infos = zf.infolist()
         start_dir = zf.start_dir
     return infos, start_dir
 
 
-def _patch_crcs(fd: int, path: str, crcs: Mapping[int, int]) -> None:
+def _patch_crcs(fd: int, path: str, infos: Sequence, start_dir: int, crcs: Mapping[int, int]) -> None:
     """Write the CRC-32 of each record whose data starts at a key of ``crcs`` into its local
     header and its central directory entry (``skip_data`` left them at zero)."""
-    infos, start_dir = _data_records(path)
     pos = start_dir
     patched = 0
     for info in infos:
@@ -225,43 +234,79 @@ def _patch_crcs(fd: int, path: str, crcs: Mapping[int, int]) -> None:
         raise ConversionError(f"{path}: found {patched} of {len(crcs)} tensor records in the zip directory.")
 
 
+def _open_for_writing(path: str) -> int:
+    """A descriptor for writing ``path`` from its start: created if missing, truncated,
+    never through a symbolic link (a link planted at the name is an error, not a redirect)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+
+
+def _read_back_header(f, trust_pickle: bool) -> Any:
+    """The file just written, unpickled onto ``meta`` (offsets, no data) from the same open
+    descriptor, with ``weights_only`` and the checkpoint allowlist (``trust_pickle``: the
+    caller unpickled its source without the allowlist, so the object may hold more)."""
+    from ._reading import _allowlisted
+
+    f.seek(0)
+    if trust_pickle:
+        return torch.load(f, map_location="meta", weights_only=False)
+    with _allowlisted():
+        return torch.load(f, map_location="meta", weights_only=True)
+
+
 def write_torch(path: str, obj: Any, records: Mapping[int, Record], fill: Fill, *, chunk_bytes: int,
-                progress: Optional[Progress] = None, cancel: Optional[threading.Event] = None) -> int:
+                progress: Optional[Progress] = None, cancel: Optional[threading.Event] = None,
+                trust_pickle: bool = False) -> int:
     """(local) Write ``obj`` as a torch checkpoint at ``path`` in bounded memory.
 
     Every tensor in ``obj`` whose storage (:func:`storage_key`) is a key of ``records`` is a
     placeholder (an unfilled ``torch.empty``): its bytes come from the record's pieces via
     ``fill(source, out_1d, start)``. Any other tensor (small ones: meters, scalars) is
-    written from its own memory. Returns the bytes of tensor data written.
+    written from its own memory. ``path`` is opened once, never through a link (use
+    :func:`make_temp` for a name nobody can take first); everything after ``torch.save``
+    goes through that descriptor. Returns the bytes of tensor data written.
 
     Raises:
         ConversionError: the written file's tensors could not all be located.
+        UnsafeCheckpointError: ``obj`` holds a class outside the checkpoint allowlist (and
+            not ``trust_pickle``).
     """
-    with torch.serialization.skip_data():
-        torch.save(obj, path)
-    # The pickle is the one just written, from objects already unpickled under the
-    # caller's rules: the full unpickler is safe here, and far faster than the weights-only
-    # one on headers with thousands of meters.
-    header = torch.load(path, map_location="meta", weights_only=False)
-    ours, theirs = list(_walk(obj)), list(_walk(header))
-    if [p for p, _ in ours] != [p for p, _ in theirs]:
-        raise ConversionError(f"{path}: the written file's tensors do not match the object saved.")
-    storages: dict = {}
-    for (p, t), (_, h) in zip(ours, theirs):
-        s = t.untyped_storage()
-        if s.nbytes() == 0:
-            continue
-        offset = int(h.untyped_storage()._checkpoint_offset)
-        storages.setdefault(offset, (p, t, s))
-    infos, _ = _data_records(path)
-    expected = sum(1 for i in infos if _DATA_RECORD.search(i.filename) and i.file_size > 0)
-    if expected != len(storages):
-        raise ConversionError(
-            f"{path}: located {len(storages)} of the {expected} tensor storages the file holds; "
-            "a tensor sits in a container this writer does not walk (dict, list, tuple, Namespace)."
-        )
-    fd = os.open(path, os.O_RDWR)
-    try:
+    fd = _open_for_writing(path)
+    with os.fdopen(fd, "r+b") as f:
+        with torch.serialization.skip_data():
+            torch.save(obj, f)
+        f.flush()
+        try:
+            header = _read_back_header(f, trust_pickle)
+        except Exception as e:  # noqa: BLE001
+            import pickle
+
+            from ._errors import UnsafeCheckpointError
+
+            if isinstance(e, pickle.UnpicklingError):
+                raise UnsafeCheckpointError(
+                    f"{path}: the object written holds a class outside the checkpoint allowlist ({e}); pass "
+                    "trust_pickle=True only if its source is trusted."
+                ) from None
+            raise
+        ours, theirs = list(_walk(obj)), list(_walk(header))
+        if [p for p, _ in ours] != [p for p, _ in theirs]:
+            raise ConversionError(f"{path}: the written file's tensors do not match the object saved.")
+        storages: dict = {}
+        for (p, t), (_, h) in zip(ours, theirs):
+            s = t.untyped_storage()
+            if s.nbytes() == 0:
+                continue
+            offset = int(h.untyped_storage()._checkpoint_offset)
+            storages.setdefault(offset, (p, t, s))
+        f.seek(0)
+        infos, start_dir = _data_records(f)
+        expected = sum(1 for i in infos if _DATA_RECORD.search(i.filename) and i.file_size > 0)
+        if expected != len(storages):
+            raise ConversionError(
+                f"{path}: located {len(storages)} of the {expected} tensor storages the file holds; "
+                "a tensor sits in a container this writer does not walk (dict, list, tuple, Namespace)."
+            )
+        fd = f.fileno()
         sink = _Sink(fd, fill, chunk_bytes, progress, cancel)
         crcs = {}
         for offset in sorted(storages):
@@ -274,10 +319,8 @@ def write_torch(path: str, obj: Any, records: Mapping[int, Record], fill: Fill, 
                 crcs[offset] = sink.record(rec, offset)
             else:
                 crcs[offset] = sink.raw(_storage_view(s), offset)
-        _patch_crcs(fd, path, crcs)
+        _patch_crcs(fd, path, infos, start_dir, crcs)
         os.fsync(fd)
-    finally:
-        os.close(fd)
     return sink.written
 
 
@@ -303,7 +346,7 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     start = 8 + len(raw)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _open_for_writing(path)
     try:
         _pwrite_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
         os.ftruncate(fd, start + offset)
@@ -319,7 +362,7 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str
 def write_json(path: str, obj: Any) -> None:
     """(local) A small JSON file, fsync'd (the sidecar of a safetensors file)."""
     data = json.dumps(obj, indent=1, sort_keys=False).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _open_for_writing(path)
     try:
         _pwrite_all(fd, memoryview(data), 0)
         os.fsync(fd)
@@ -354,7 +397,16 @@ def progress_bar(enabled: Any, total_bytes: int, total_tensors: int, desc: str) 
     return update, bar.close
 
 
-# --------------------------------------------------------------------------- output set
+# --------------------------------------------------------------------------- temporary names
+
+
+_TAG = ".oneload-"
+
+
+def _host() -> str:
+    """This machine's name as it appears in temporary names: letters, digits, ``.-_`` only,
+    so the ``+`` between host, pid and tail is unambiguous (host names end in -12 often)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname() or "localhost")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -367,14 +419,119 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def make_temp(final: str, *, folder: bool = False, kind: str = "tmp") -> str:
+    """(local) Create, exclusively, an empty temporary file (or folder) in ``final``'s
+    folder, named ``.NAME.oneload-tmp+HOST+PID+RANDOM``: never a name that exists, never
+    through a link (``O_EXCL | O_NOFOLLOW``; ``mkdir`` for a folder), permissions as for any
+    new file (the umask decides). Returns its path; rename it to ``final`` when complete.
+    ``kind`` replaces "tmp" (e.g. "old" for a folder moved aside)."""
+    directory, base = os.path.split(os.path.abspath(os.fspath(final)))
+    prefix = f".{base}{_TAG}{kind}+{_host()}+{os.getpid()}+"
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        path = os.path.join(directory, prefix + secrets.token_hex(4))
+        try:
+            if folder:
+                os.mkdir(path, 0o777)
+            else:
+                os.close(os.open(path, flags, 0o666))
+            return path
+        except FileExistsError:
+            continue
+    raise ConversionError(f"{directory}: could not create a temporary name for {base}.")
+
+
+def _temp_pid(rest: str, host: str) -> Optional[int]:
+    """The pid in what follows ``.NAME.oneload-KIND`` when this host wrote the name:
+    ``+HOST+PID+TAIL`` (:func:`make_temp`) or ``-HOST-PID`` (export-hf's earlier names)."""
+    if rest.startswith("+"):
+        fields = rest[1:].split("+")
+        if len(fields) in (2, 3) and fields[0] == host and fields[1].isdigit():
+            return int(fields[1])
+        return None
+    head = f"-{host}-"
+    if rest.startswith(head) and rest[len(head):].isdigit():
+        return int(rest[len(head):])
+    return None
+
+
+def stale_temps(final: str, *, kinds: Sequence[str] = ("tmp",)) -> list:
+    """(local) Temporary files and folders of ``final`` (see :func:`make_temp`) that a dead
+    process of this host left: the pid in the name is gone. Names of other hosts are never
+    returned (on shared storage their writers may be alive), nor names this host cannot
+    attribute (older ``.NAME.tmp-PID`` names carry no host)."""
+    directory, base = os.path.split(os.path.abspath(os.fspath(final)))
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    host = _host()
+    out = []
+    for n in names:
+        for kind in kinds:
+            stem = f".{base}{_TAG}{kind}"
+            pid = _temp_pid(n[len(stem):], host) if n.startswith(stem) else None
+            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+                out.append(os.path.join(directory, n))
+    return sorted(out)
+
+
+def remove_stale_temps(final: str, *, kinds: Sequence[str] = ("tmp",)) -> list:
+    """(local) Remove :func:`stale_temps` (files, and folders with their contents); returns
+    what was removed."""
+    removed = []
+    for p in stale_temps(final, kinds=kinds):
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def source_clash(path: str, sources: Iterable[str]) -> Optional[str]:
+    """(local) The source file that writing, replacing or removing ``path`` would destroy,
+    or None: ``path`` is a source (the same name, a link to it, a hard link: the same
+    inode), or ``path`` is a folder holding one."""
+    path = os.path.abspath(os.fspath(path))
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino)
+    except OSError:
+        ident = None
+    folder = os.path.isdir(path) and not os.path.islink(path)
+    for src in sources:
+        src = os.fspath(src)
+        src_real = os.path.realpath(src)
+        if src_real == real or os.path.abspath(src) == path:
+            return src
+        try:
+            sst = os.stat(src)
+            if ident is not None and (sst.st_dev, sst.st_ino) == ident:
+                return src
+        except OSError:
+            pass
+        if folder and (src_real.startswith(real + os.sep) or os.path.abspath(src).startswith(path + os.sep)):
+            return src
+    return None
+
+
+# --------------------------------------------------------------------------- output set
+
+
 class OutputSet:
     """(local, one process) The files of one conversion, all or nothing.
 
-    Each final name gets a temporary name in the same folder (same file system, so the
-    final ``os.replace`` is atomic). :meth:`commit` renames them back to back only after
-    every file is complete and fsync'd; :meth:`abort` removes them. A process killed before
-    :meth:`commit` leaves only hidden temporary files, which the next conversion to the same
-    names removes (their pid is gone).
+    Each final name gets a temporary file in the same folder (same file system, so the
+    final ``os.replace`` is atomic), created exclusively by :meth:`temp` (:func:`make_temp`).
+    :meth:`commit` renames them back to back only after every file is complete and
+    fsync'd; :meth:`abort` removes them. A process killed before :meth:`commit` leaves only
+    hidden temporary files, which the next conversion to the same names on the same host
+    removes (:meth:`clean_stale`: their pid is gone).
     """
 
     def __init__(self, finals: Sequence[str], *, overwrite: bool, protected: Iterable[str] = (),
@@ -382,34 +539,17 @@ class OutputSet:
         self.finals = [os.path.abspath(f) for f in finals]
         self.overwrite = overwrite
         self.replaces = [os.path.abspath(f) for f in replaces if os.path.abspath(f) not in self.finals]
-        self._protected_paths = set()
-        self._protected_ids = set()
-        for p in protected:
-            self._protected_paths.add(os.path.realpath(p))
-            try:
-                st = os.stat(p)
-                self._protected_ids.add((st.st_dev, st.st_ino))
-            except OSError:
-                pass
-        self.temps = {f: os.path.join(os.path.dirname(f), f".{os.path.basename(f)}.tmp-{os.getpid()}")
-                      for f in self.finals}
+        self.protected = [os.fspath(p) for p in protected]
+        self.temps: dict = {}  # final -> its temporary file, once created
+        self._lock = threading.Lock()
         self.removed: list = []
         self.committed = False
-
-    def _is_protected(self, path: str) -> bool:
-        if os.path.realpath(path) in self._protected_paths:
-            return True
-        try:
-            st = os.stat(path)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) in self._protected_ids
 
     def check(self) -> None:
         """Refuse to write over a source file, ever, and over any existing file without
         ``overwrite``; make the folders."""
         for f in self.finals + self.replaces:
-            if os.path.lexists(f) and self._is_protected(f):
+            if os.path.lexists(f) and source_clash(f, self.protected) is not None:
                 raise OutputExistsError(
                     f"{f}: is (or links to) a file of the source checkpoint; a conversion never writes "
                     "over its source. Choose another destination prefix or folder."
@@ -426,35 +566,26 @@ class OutputSet:
             os.makedirs(d, exist_ok=True)
 
     def clean_stale(self) -> list:
-        """Remove temporary files of these names left by a killed conversion (dead pid)."""
+        """Remove temporary files of these names left by a killed conversion on this host."""
         removed = []
         for f in self.finals:
-            d, base = os.path.split(f)
-            stem = f".{base}.tmp-"
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue
-            for n in names:
-                if not n.startswith(stem) or not n[len(stem):].isdigit():
-                    continue
-                pid = int(n[len(stem):])
-                if pid == os.getpid() or _pid_alive(pid):
-                    continue
-                try:
-                    os.unlink(os.path.join(d, n))
-                    removed.append(os.path.join(d, n))
-                except FileNotFoundError:
-                    pass
+            removed += remove_stale_temps(f)
         return removed
 
     def temp(self, final: str) -> str:
-        return self.temps[os.path.abspath(final)]
+        """The temporary file of ``final``, created exclusively on the first call."""
+        final = os.path.abspath(final)
+        if final not in self.finals:
+            raise KeyError(f"{final}: not one of this set's outputs")
+        with self._lock:
+            if final not in self.temps:
+                self.temps[final] = make_temp(final)
+            return self.temps[final]
 
     def commit(self) -> None:
         """Rename every temporary file to its final name, then remove the replaced files
         of an older set (``replaces``), then fsync the folders."""
-        missing = [t for t in self.temps.values() if not os.path.exists(t)]
+        missing = [f for f in self.finals if f not in self.temps or not os.path.exists(self.temps[f])]
         if missing:
             raise ConversionError(f"{missing[0]}: a finished output is missing before the rename; nothing was renamed.")
         for f in self.finals:
@@ -483,7 +614,9 @@ class OutputSet:
         """Remove every temporary file (normal errors, Ctrl-C)."""
         if self.committed:
             return
-        for t in self.temps.values():
+        with self._lock:
+            temps = list(self.temps.values())
+        for t in temps:
             try:
                 os.unlink(t)
             except FileNotFoundError:

@@ -162,8 +162,13 @@ def setup_model(args, model_name, device):
 
         dtype = mixed_precision(args)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype else MixedPrecisionPolicy()
+        kw = {"mp_policy": policy}
+        if args.cpu_offload:  # shards stay in CPU memory (from_pretrained materialises them there)
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         model = from_pretrained(T5ForConditionalGeneration, model_name, dtype=torch.float32,
-                                fsdp=fully_shard_blocks(mp_policy=policy))
+                                fsdp=fully_shard_blocks(**kw))
         return model
     # FSDP1 (the example's own wrapping): rank 0 reads once; torch broadcasts into the shards.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -299,6 +304,8 @@ if __name__ == "__main__":
     parser.add_argument("--input-length", type=int, default=64, help="example: 512")
     parser.add_argument("--output-length", type=int, default=16, help="example: 150")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision on GPUs that support it")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="FSDP2 CPUOffloadPolicy: parameter shards, gradients and optimizer state in CPU memory")
     parser.add_argument("--track_memory", action="store_false", default=True)
     parser.add_argument("--run_validation", action="store_false", default=True)
     parser.add_argument("--save-model", action="store_true", default=False)

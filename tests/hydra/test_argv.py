@@ -24,6 +24,18 @@ def test_split_argv():
     assert tokens == ["+oneload=broadcast", "oneload.bucket_mb=64", "++oneload.verify=true", "~oneload.path"]
 
 
+def test_split_argv_takes_only_overrides():
+    # A bare "oneload" (a --save-dir value) or a file "oneload.bin" is the program's argument.
+    argv = ["--save-dir", "oneload", "--task", "dummy_lm", "oneload.bin", "+oneload=auto", "oneload",
+            "~oneload.verify=true", "oneload.verify", "~oneloadx", "+oneload.bucket_mb=8"]
+    kept, tokens = _hydra.split_argv(argv)
+    assert kept == ["--save-dir", "oneload", "--task", "dummy_lm", "oneload.bin", "oneload", "oneload.verify",
+                    "~oneloadx"]
+    assert tokens == ["+oneload=auto", "~oneload.verify=true", "+oneload.bucket_mb=8"]
+    argv = ["metaseq-train", "--save-dir", "oneload", "oneload.bin", "+oneload=auto"]
+    assert strip_argv(argv) == ["+oneload=auto"] and argv == ["metaseq-train", "--save-dir", "oneload", "oneload.bin"]
+
+
 def test_strip_argv_keeps_the_program_and_works_in_place():
     argv = ["metaseq-train", "+oneload=auto", "data"]
     alias = argv
@@ -39,6 +51,19 @@ def test_explicit_settings():
         "checkpoint.checkpoint_shard_count"}
 
 
+def test_explicit_settings_know_argparse_abbreviations():
+    # argparse (allow_abbrev) takes a unique prefix: metaseq-train --model-parallel 1 sets the size.
+    assert _hydra.explicit_settings(["--model-parallel", "1"]) == {"common.model_parallel_size"}
+    assert _hydra.explicit_settings(["--ddp-b=fully_sharded", "--use-sharded", "--checkpoint-shard", "2"]) == {
+        "distributed_training.ddp_backend", "distributed_training.use_sharded_state", "checkpoint.checkpoint_shard_count"}
+    assert _hydra.explicit_settings(["--", "--model-parallel-size", "2"]) == set()  # after --: positional
+    # With the parser's options: another option's exact name, or an ambiguous prefix, is not ours.
+    options = ["--model-parallel-size", "--model-parallel", "--model-overrides", "--ddp-backend", "--ddp-bucket"]
+    assert _hydra.explicit_settings(["--model-parallel", "1"], options=options) == set()
+    assert _hydra.explicit_settings(["--ddp-b", "x"], options=options) == set()
+    assert _hydra.explicit_settings(["--model-parallel-s", "1"], options=options) == {"common.model_parallel_size"}
+
+
 @pytest.mark.parametrize("argv,env,expected", [
     (["data"], {}, None),
     (["oneload.strategy=reshard"], {}, None),  # a field without the group turns nothing on
@@ -47,6 +72,12 @@ def test_explicit_settings():
     (["oneload.verify=true"], {"METASEQ_ONELOAD": "broadcast oneload.bucket_mb=8"},
      ["+oneload=broadcast", "oneload.bucket_mb=8", "oneload.verify=true"]),
     ([], {"METASEQ_ONELOAD": " "}, None),
+    # switch-like values and bare overrides in the environment
+    ([], {"METASEQ_ONELOAD": "1"}, ["+oneload=auto"]),
+    ([], {"METASEQ_ONELOAD": "true"}, ["+oneload=auto"]),
+    ([], {"METASEQ_ONELOAD": "0"}, ["+oneload=off"]),
+    ([], {"METASEQ_ONELOAD": "oneload.verify=true"}, ["+oneload=auto", "oneload.verify=true"]),
+    ([], {"METASEQ_ONELOAD": "+oneload=reshard oneload.verify=true"}, ["+oneload=reshard", "oneload.verify=true"]),
 ])
 def test_activation_overrides(argv, env, expected):
     assert _hydra.activation_overrides(argv, env) == expected
@@ -58,27 +89,37 @@ def test_environment_value_round_trips():
     assert _hydra.activation_overrides([], env) == overrides
 
 
-def run_with_pth(tmp_path, argv, env=None, program="metaseq-fake"):
+def run_with_pth(tmp_path, argv, env=None, program="metaseq-fake", then=""):
     """A fresh interpreter that runs the shipped .pth line first, as site.py would, then
-    reports what the program sees."""
+    reports what the program sees (``then``: code the program runs after that)."""
     script = tmp_path / program
     script.write_text(textwrap.dedent(f"""\
         import sys, os, json
         {PTH.strip()}
         print(json.dumps({{"argv": sys.argv[1:], "env": os.environ.get("METASEQ_ONELOAD"),
-                          "heavy": sorted(m for m in ("torch", "hydra", "metaseq_oneload") if m in sys.modules),
-                          "hook": any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)}}))
-        """))
+                          "heavy": sorted(m for m in ("torch", "hydra", "omegaconf", "metaseq_oneload._metaseq")
+                                          if m in sys.modules),
+                          "hook": any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)}}), flush=True)
+        """) + textwrap.dedent(then))
     full_env = {k: v for k, v in os.environ.items() if k != "METASEQ_ONELOAD"}
     full_env.update(env or {})
-    full_env["PYTHONPATH"] = str(REPO)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), str(REPO)])
     return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=full_env, cwd=tmp_path)
 
 
+def fake_metaseq(tmp_path):
+    """An importable package called metaseq that is not metaseq (install() cannot patch it)."""
+    pkg = tmp_path / "site" / "metaseq"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("IMPORTED = True\n")
+
+
 def test_without_the_token_nothing_is_imported(tmp_path):
-    r = run_with_pth(tmp_path, ["data", "--lr", "0.1"])
+    r = run_with_pth(tmp_path, ["data", "--lr", "0.1"], then="print('metaseq_oneload' in sys.modules)\n")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"argv": ["data", "--lr", "0.1"], "env": None, "heavy": [], "hook": False}
+    first, second = r.stdout.splitlines()
+    assert json.loads(first) == {"argv": ["data", "--lr", "0.1"], "env": None, "heavy": [], "hook": False}
+    assert second == "False"
 
 
 def test_metaseq_command_gets_the_tokens_stripped(tmp_path):
@@ -116,6 +157,44 @@ def test_a_typo_stops_the_program_with_hydras_message(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert "metaseq-oneload: data +oneload=auto oneload.bogus=1: ConfigCompositionException: " \
            "Could not override 'oneload.bogus'." in r.stderr
+
+
+@pytest.mark.parametrize("value", ["auto", "broadcast oneload.verify=true", "1", "true", "oneload.verify=true", "bogus",
+                                   "'unbalanced"])
+def test_other_processes_under_the_variable_pay_nothing_and_never_stop(tmp_path, value):
+    # metaseq-train exports METASEQ_ONELOAD: pip, a launcher, a data loader worker started by
+    # it import no torch, no Hydra at start-up, and a value that does not compose cannot stop them.
+    r = run_with_pth(tmp_path, ["install", "x"], env={"METASEQ_ONELOAD": value}, program="pip")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["argv"] == ["install", "x"] and out["heavy"] == []
+    if value == "'unbalanced":
+        assert "metaseq-oneload: warning: METASEQ_ONELOAD" in r.stderr and not out["hook"]
+    else:
+        assert r.stderr == "" and out["hook"]  # waits for metaseq, if it is ever imported
+
+
+def test_a_bad_value_in_another_process_is_a_warning_when_metaseq_is_imported(tmp_path):
+    fake_metaseq(tmp_path)
+    r = run_with_pth(tmp_path, [], env={"METASEQ_ONELOAD": "bogus"}, program="worker.py",
+                     then="import metaseq\nprint('imported', metaseq.IMPORTED)\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "imported True"
+    assert "metaseq-oneload: warning: +oneload=bogus does not compose" in r.stderr
+
+
+def test_a_bad_value_stops_a_metaseq_command(tmp_path):
+    r = run_with_pth(tmp_path, ["data"], env={"METASEQ_ONELOAD": "bogus"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert "metaseq-oneload: data: " in r.stderr and "oneload/bogus" in r.stderr
+
+
+def test_the_hook_imports_the_patch_only_with_metaseq(tmp_path):
+    # A metaseq command composes at start (Hydra), but the patch module (torch) waits for metaseq.
+    r = run_with_pth(tmp_path, ["data", "+oneload=auto"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "torch" not in out["heavy"] and "metaseq_oneload._metaseq" not in out["heavy"] and out["hook"]
 
 
 def test_after_import_fires_once_the_package_has_run(tmp_path):

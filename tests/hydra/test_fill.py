@@ -138,3 +138,15 @@ def test_checkpoint_path_training(tmp_path):
     assert checkpoint_path(cfg) == os.path.join(str(tmp_path), "checkpoint_last.pt")
     cfg.checkpoint.restore_file = "/elsewhere/checkpoint_9.pt"
     assert checkpoint_path(cfg) == "/elsewhere/checkpoint_9.pt"
+
+
+def test_checkpoint_path_of_an_argparse_namespace():
+    # metaseq's older entry points hand a flat argparse.Namespace per section.
+    import argparse
+
+    path = str(FIXTURES / "mp2_dp2" / "checkpoint_last.pt")
+    cfg = argparse.Namespace(common_eval=argparse.Namespace(path=f"{path}:/other/model.pt"))
+    assert checkpoint_path(cfg) == path
+    cfg = argparse.Namespace(common_eval=argparse.Namespace(path=None),
+                             checkpoint=argparse.Namespace(restore_file="/r/checkpoint_9.pt", save_dir="/r"))
+    assert checkpoint_path(cfg) == "/r/checkpoint_9.pt"

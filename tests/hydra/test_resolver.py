@@ -110,3 +110,16 @@ def test_cached_per_path_and_refreshed_when_the_folder_changes(tmp_path):
     os.utime(d, ns=(0, os.stat(d).st_mtime_ns + 10 ** 9))  # coarse mtime clocks: make the change visible
     with pytest.raises(Exception, match="checkpoint_2-shard"):
         _hydra.resolve("world_size", str(d))  # a third shard of another save: refused, not the cached 2
+
+
+def test_a_key_the_files_leave_open_takes_the_default():
+    # Unflattened weights load under any backend: ddp_backend is None, and the default given
+    # (documented in docs/hydra.md) fills a typed str field instead of failing validation.
+    @dataclass
+    class Distributed:
+        ddp_backend: str = f"${{oneload:ddp_backend,{FIXTURES / 'mp2_ddp'},pytorch_ddp}}"
+
+    cfg = OmegaConf.structured(Distributed)
+    assert cfg.ddp_backend == "pytorch_ddp"
+    assert _hydra.resolve("ddp_backend", str(FIXTURES / "mp2_ddp")) is None  # no default: None, as the files say
+    assert _hydra.resolve("ddp_backend", str(FIXTURES / "fsdp_dp3"), "pytorch_ddp") == "fully_sharded"

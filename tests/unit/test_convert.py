@@ -344,3 +344,72 @@ def test_wrapping_of_another_model(tmp_path):
         convert(bare, tmp_path / "b" / "ck", shards=2, wrapping=FIXTURES / "mp2_dp2" / "checkpoint_2-model_part-0-shard0.pt")
     with pytest.raises(mo.OneloadError, match="holds no shard_metadata"):
         convert(bare, tmp_path / "c" / "ck", shards=2, wrapping=FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")
+
+
+def test_legacy_sources_are_read_once(tmp_path, monkeypatch):
+    """Files that cannot be range-read are loaded whole: once for the run (one job, one
+    reader), not once per output file."""
+    import collections
+
+    src = tmp_path / "legacy"
+    src.mkdir()
+    for d in range(3):
+        obj = raw_load(FIXTURES / "fsdp_dp3" / f"checkpoint_2-model_part-0-shard{d}.pt")
+        torch.save(obj, src / f"checkpoint_2-model_part-0-shard{d}.pt", _use_new_zipfile_serialization=False)
+    mo.inspect(src)  # headers (metadata) are cached and not counted
+    loads = collections.Counter()
+    real = torch.load
+
+    def counting(f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and str(f).startswith(str(src)) and kwargs.get("map_location") != "meta":
+            loads[os.path.basename(str(f))] += 1
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting)
+    r = convert(src, tmp_path / "out" / "ck", model_parallel=2, shards=2, jobs=4)
+    assert r.jobs == 1 and any("read whole, once" in n for n in r.notes)
+    # Each file once by the reader, the one that supplies cfg and meters once more.
+    assert sum(loads.values()) <= 4 and max(loads.values()) <= 2, loads
+    assert verify(r.files[0], _source("fsdp_dp3"), atol=0, rtol=0).identical
+
+
+def _with_ema(tmp_path, name: str):
+    """A copy of a fixture set as metaseq writes it with --store-ema --ema-fp32: the EMA
+    copy (here: the weights) and its fp32 params in extra_state, laid out like `model`."""
+    from tests.conftest import copy_set
+
+    src = copy_set(name, tmp_path)
+    for f in sorted(src.glob("checkpoint_2*.pt")):
+        obj = raw_load(f)
+        obj["extra_state"]["ema"] = {k: v.clone() for k, v in obj["model"].items()}
+        obj["extra_state"]["ema_fp32_params"] = {k: v.float().clone() for k, v in obj["model"].items()}
+        torch.save(obj, f)
+    return src
+
+
+def test_layout_specific_extra_state(tmp_path):
+    """One rule with install(): extra_state that belongs to the saved layout (the RNG tracker
+    state of each model-parallel rank; the EMA copy, laid out like the saved weights) is
+    kept where the layout is, dropped with a note where it changes."""
+    rng = "rng_tracker_states"
+    parts = [raw_load(FIXTURES / "mp2_dp2" / f"checkpoint_2-model_part-{m}-shard0.pt")["extra_state"][rng]
+             for m in range(2)]
+    r = convert(_source("mp2_dp2"), tmp_path / "a" / "ck", model_parallel=1, shards=2)
+    assert all(rng not in raw_load(f)["extra_state"] for f in r.files)
+    assert any(f"extra_state['{rng}'] dropped" in n for n in r.notes)
+    r = convert(_source("mp2_dp2"), tmp_path / "b" / "ck", model_parallel=2, shards=3)
+    for m in range(2):
+        for d in range(3):
+            _equal(raw_load(r.files[m * 3 + d])["extra_state"][rng], parts[m])  # its own part's, not part 0's
+    assert not any(rng in n for n in r.notes)
+    # EMA: kept, file for file, where the weights keep their layout; else dropped.
+    src = _with_ema(tmp_path / "ema", "fsdp_dp3")
+    same = convert(src, tmp_path / "c" / "ck", shards=3)
+    for d in range(3):
+        saved = raw_load(src / f"checkpoint_2-model_part-0-shard{d}.pt")["extra_state"]
+        _equal(raw_load(same.files[d])["extra_state"], saved)
+    assert not any("ema" in n for n in same.notes)
+    other = convert(src, tmp_path / "d" / "ck", shards=2)
+    for f in other.files:
+        assert not {"ema", "ema_fp32_params"} & set(raw_load(f)["extra_state"])
+    assert any("extra_state ema, ema_fp32_params dropped" in n for n in other.notes)

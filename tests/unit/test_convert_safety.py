@@ -33,7 +33,7 @@ def _finals(folder: Path) -> list:
 
 
 def _temps(folder: Path) -> list:
-    return sorted(p for p in os.listdir(folder) if p.startswith(".") and ".tmp-" in p)
+    return sorted(p for p in os.listdir(folder) if p.startswith(".") and ".oneload-tmp" in p)
 
 
 def _python(code: str, **kw) -> subprocess.Popen:
@@ -139,3 +139,90 @@ print(json.dumps({{"added": rss("VmHWM") - start}}))
     added = json.loads(out.strip().splitlines()[-1])["added"]
     model = sum(t.numel for t in metaseq_lm(**BIG).values()) * 4
     assert added < 48 << 20, f"conversion added {added >> 20} MiB of RSS for a {model >> 20} MiB model"
+
+
+# --------------------------------------------------------------------------- temporary names
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporaries_of_this_host_only(tmp_path):
+    """On shared storage another host's temporary files may belong to a live writer: only
+    this host's, of a dead pid, are removed (files and export-hf's folders alike)."""
+    from metaseq_oneload import _writing
+
+    host, dead = _writing._host(), _dead_pid()
+    final = tmp_path / "ck.pt"
+    mine_dead = tmp_path / f".ck.pt.oneload-tmp+{host}+{dead}+0a1b2c3d"
+    mine_dead_folder = tmp_path / f".ck.pt.oneload-tmp-{host}-{dead}"  # export-hf's earlier form
+    other_host = tmp_path / f".ck.pt.oneload-tmp+{host}x+{dead}+0a1b2c3d"
+    other_host2 = tmp_path / f".ck.pt.oneload-tmp+{host}-1+{dead}+0a1b2c3d"  # node-1 is not node
+    other_host3 = tmp_path / f".ck.pt.oneload-tmp-{host}-1-{dead}"
+    mine_alive = tmp_path / f".ck.pt.oneload-tmp+{host}+{os.getppid()}+0a1b2c3d"
+    legacy = tmp_path / f".ck.pt.tmp-{dead}"  # older name without a host: cannot be attributed
+    for p in (mine_dead, other_host, other_host2, other_host3, mine_alive, legacy):
+        p.write_bytes(b"x")
+    mine_dead_folder.mkdir()
+    (mine_dead_folder / "model.safetensors").write_bytes(b"x")
+    assert _writing.stale_temps(final) == sorted([str(mine_dead), str(mine_dead_folder)])
+    assert sorted(_writing.remove_stale_temps(final)) == sorted([str(mine_dead), str(mine_dead_folder)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (other_host, other_host2, other_host3, mine_alive, legacy))
+    # OutputSet.clean_stale is the same rule.
+    mine_dead.write_bytes(b"x")
+    out = _writing.OutputSet([str(final)], overwrite=False)
+    assert out.clean_stale() == [str(mine_dead)]
+
+
+def test_temporary_files_are_created_exclusively(tmp_path, monkeypatch):
+    """A temporary name is never one that exists, a planted link included: it is created
+    with O_EXCL | O_NOFOLLOW, and a random tail makes it unpredictable."""
+    from metaseq_oneload import _writing
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    tails = iter(["aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(_writing.secrets, "token_hex", lambda n: next(tails))
+    planted = tmp_path / f".ck.pt.oneload-tmp+{_writing._host()}+{os.getpid()}+aaaaaaaa"
+    os.symlink(victim, planted)
+    tmp = _writing.make_temp(str(tmp_path / "ck.pt"))
+    assert tmp.endswith("+bbbbbbbb") and os.path.isfile(tmp) and not os.path.islink(tmp)
+    assert victim.read_bytes() == b"precious"
+    old = os.umask(0o022)
+    os.umask(old)
+    assert os.stat(tmp).st_mode & 0o777 == 0o666 & ~old  # as any new file, not mkstemp's 0600
+
+
+def test_write_torch_never_writes_through_a_link(tmp_path):
+    import torch
+
+    from metaseq_oneload._writing import write_torch
+
+    victim = tmp_path / "victim.pt"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, tmp_path / "out.pt")
+    with pytest.raises(OSError):
+        write_torch(str(tmp_path / "out.pt"), {"w": torch.zeros(4)}, {}, None, chunk_bytes=1 << 16)
+    assert victim.read_bytes() == b"precious"
+
+
+class _NotAllowlisted:
+    """A class no checkpoint carries."""
+
+
+def test_write_torch_reads_its_header_back_with_the_allowlist(tmp_path):
+    import torch
+
+    from metaseq_oneload import UnsafeCheckpointError
+    from metaseq_oneload._writing import write_torch
+
+    obj = {"w": torch.arange(4.0), "odd": _NotAllowlisted()}
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint allowlist"):
+        write_torch(str(tmp_path / "a.pt"), obj, {}, None, chunk_bytes=1 << 16)
+    # The caller that unpickled its source with trust_pickle=True may write what it read.
+    write_torch(str(tmp_path / "b.pt"), obj, {}, None, chunk_bytes=1 << 16, trust_pickle=True)
+    assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=False)["w"], torch.arange(4.0))

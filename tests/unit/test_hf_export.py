@@ -143,6 +143,11 @@ def test_dtype_cast(tmp_path):
     ({}, ("decoder.layer_norm.weight", "decoder.layer_norm.bias"), None, "no final layer norm with pre-LN"),
     ({}, (), {"decoder.layernorm_embedding.weight": torch.ones(34)}, "layernorm_embedding=True"),
     ({"self_attn_doc_sep": 2}, (), None, "self_attn_doc_sep=2"),
+    # Learned positions asked for but no table stored: used to write max_position_embeddings: null.
+    ({"decoder_learned_pos": True}, ("decoder.embed_positions.weight",), None,
+     "decoder_learned_pos=True without decoder.embed_positions.weight"),
+    ({}, ("decoder.embed_positions.weight",), {"decoder.embed_positions.weight": torch.zeros(2, 34)},
+     "decoder.embed_positions.weight"),
 ])
 def test_refuses_what_opt_cannot_express(tmp_path, cfg, drop, add, setting):
     src = edited_singleton(tmp_path / "src", cfg=cfg, drop=drop, add=add)
@@ -176,18 +181,285 @@ def test_existing_destination(tmp_path, capsys):
     (dst / "keep.txt").write_text("x")
     with pytest.raises(OutputExistsError, match=r"opt already exists; export-hf writes a new folder.*--overwrite"):
         export_hf(FIXTURES / "singleton", dst)
-    assert (dst / "keep.txt").exists()
+    # --overwrite replaces a folder an export wrote, never one holding anything else.
+    with pytest.raises(OutputExistsError, match=r"opt: not replaced: it holds keep.txt, which an export does not "
+                                                r"write\. --overwrite replaces only a folder export-hf wrote"):
+        export_hf(FIXTURES / "singleton", dst, overwrite=True)
+    assert sorted(os.listdir(dst)) == ["keep.txt"]
     src = edited_singleton(dst / "src")
     with pytest.raises(OutputExistsError, match=r"holds the source checkpoint \(checkpoint_2_consolidated.pt\); "
                                                 r"export-hf never replaces its source"):
         export_hf(src, dst, overwrite=True)
-    assert src.exists()
-    assert main(["export-hf", str(FIXTURES / "singleton"), str(dst), "--overwrite", "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["dst"] == str(dst) and summary["files"] == ["model.safetensors", "config.json"]
-    assert summary["config"]["num_hidden_layers"] == 2 and summary["num_params"] == 21548
-    assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors"]
+    assert src.exists() and (dst / "keep.txt").exists()
     assert not leftovers(tmp_path, "opt")
+
+    fresh = tmp_path / "fresh"
+    export_hf(FIXTURES / "singleton", fresh, max_shard_size="30KB")  # a sharded export with an index
+    assert main(["export-hf", str(FIXTURES / "singleton"), str(fresh), "--overwrite", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["dst"] == str(fresh) and summary["files"] == ["model.safetensors", "config.json"]
+    assert summary["config"]["num_hidden_layers"] == 2 and summary["num_params"] == 21548
+    assert sorted(os.listdir(fresh)) == ["config.json", "model.safetensors"]  # the old shards went with it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_hf(FIXTURES / "singleton", empty, overwrite=True)  # nothing to lose
+    assert sorted(os.listdir(empty)) == ["config.json", "model.safetensors"]
+    assert not leftovers(tmp_path, "fresh") and not leftovers(tmp_path, "empty")
+
+
+# --------------------------------------------------------------------------- never the source
+
+
+def _snapshot(*folders) -> dict:
+    """Every entry under ``folders``: what it is and its bytes (links as their target)."""
+    out = {}
+    for folder in folders:
+        for p in sorted(Path(folder).rglob("*")):
+            if p.is_symlink():
+                out[str(p)] = ("link", os.readlink(p))
+            elif p.is_file():
+                out[str(p)] = ("file", p.read_bytes())
+            else:
+                out[str(p)] = ("dir",)
+    return out
+
+
+def _all_leftovers(*folders) -> list:
+    return [str(p) for f in folders for p in Path(f).rglob("*") if ".oneload-" in p.name]
+
+
+def _source_case(tmp_path, case):
+    """(src, dst, expected message) on copies of the fixtures."""
+    from tests.conftest import copy_set
+
+    single = copy_set("singleton", tmp_path)
+    mp = copy_set("mp2_dp2", tmp_path)
+    ckpt = single / "checkpoint_2_consolidated.pt"
+    other = tmp_path / "other"
+    other.mkdir()
+    if case == "the file itself":
+        return ckpt, ckpt, r"checkpoint_2_consolidated.pt: is the source checkpoint file checkpoint_2_consolidated.pt"
+    if case == "another file of the set":
+        return (mp / "checkpoint_2-model_part-0-shard0.pt", mp / "checkpoint_2-model_part-1-shard1.pt",
+                r"is the source checkpoint file checkpoint_2-model_part-1-shard1.pt")
+    if case == "a text pointer of the set":
+        return (mp / "checkpoint_2-model_part-0-shard0.pt", mp / "checkpoint_last-model_part-1-shard0.pt",
+                r"checkpoint_last-model_part-1-shard0.pt: is a link to the source checkpoint file "
+                r"checkpoint_2-model_part-1-shard0.pt")
+    if case == "the pointer given as the source":
+        p = mp / "checkpoint_last-model_part-0-shard1.pt"
+        return p, p, r"is a link to the source checkpoint file checkpoint_2-model_part-0-shard1.pt"
+    if case == "a symlink to a source file":
+        link = other / "linked.pt"
+        link.symlink_to(ckpt)
+        return single, link, r"linked.pt: is a link to the source checkpoint file checkpoint_2_consolidated.pt"
+    if case == "a hard link to a source file":
+        link = other / "hard.pt"
+        os.link(ckpt, link)
+        return single, link, r"hard.pt: is a link to the source checkpoint file checkpoint_2_consolidated.pt"
+    if case == "the checkpoint folder":
+        return mp, mp, r"mp2_dp2: holds the source checkpoint \(checkpoint_2-model_part-0-shard0.pt\)"
+    if case == "a link to the checkpoint folder":
+        link = other / "ckpt"
+        link.symlink_to(single, target_is_directory=True)
+        return ckpt, link, r"ckpt: holds the source checkpoint \(checkpoint_2_consolidated.pt\)"
+    if case == "a folder above it":
+        return ckpt, tmp_path, r"holds the source checkpoint \(checkpoint_2_consolidated.pt\)"
+    if case == "the folder of the link given as the source":
+        link = other / "checkpoint_9.pt"
+        link.symlink_to(ckpt)
+        return link, other, r"other: holds the source checkpoint \(checkpoint_9.pt\)"
+    if case == "inside a source file":
+        return ckpt, ckpt / "opt", r"opt: lies inside the source checkpoint file .*checkpoint_2_consolidated.pt"
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", [
+    "the file itself", "another file of the set", "a text pointer of the set", "the pointer given as the source",
+    "a symlink to a source file", "a hard link to a source file", "the checkpoint folder",
+    "a link to the checkpoint folder", "a folder above it", "the folder of the link given as the source",
+    "inside a source file"])
+def test_never_writes_over_its_source(tmp_path, case):
+    """export_hf(p, p, overwrite=True) used to move the checkpoint aside and delete it. Any
+    destination that is, holds or lies inside a file or link of the source is refused, with
+    and without --overwrite, before anything is written."""
+    src, dst, message = _source_case(tmp_path, case)
+    before = _snapshot(tmp_path)
+    for overwrite in (True, False):
+        with pytest.raises(OutputExistsError, match=message + r".*(never writes over|never replaces its source|"
+                                                              r"Choose another destination)"):
+            export_hf(src, dst, overwrite=overwrite)
+        assert _snapshot(tmp_path) == before and not _all_leftovers(tmp_path)
+    assert main(["export-hf", str(src), str(dst), "--overwrite"]) == 2
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("case,why", [
+    ("a file", r"it is not a folder"),
+    ("a link to an export", r"it is a symbolic link \(to .*/real\)"),
+    ("an export with a tokenizer", r"it holds tokenizer.json, which an export does not write"),
+    ("an export with a sub-folder", r"it holds checkpoints, which an export does not write"),
+    ("a config alone", r"it is not a complete export \(it needs config.json and model\*.safetensors\)"),
+    ("a model folder of something else", r"it holds generation_config.json, pytorch_model.bin, which an export"),
+])
+def test_overwrite_replaces_only_a_previous_export(tmp_path, case, why):
+    dst = tmp_path / "opt"
+    if case == "a file":
+        dst.write_text("my notes")
+    elif case == "a link to an export":
+        export_hf(FIXTURES / "singleton", tmp_path / "real")
+        dst.symlink_to(tmp_path / "real", target_is_directory=True)
+    else:
+        export_hf(FIXTURES / "singleton", dst)
+        if case == "an export with a tokenizer":
+            (dst / "tokenizer.json").write_text("{}")
+        elif case == "an export with a sub-folder":
+            (dst / "checkpoints").mkdir()
+        elif case == "a config alone":
+            os.remove(dst / "model.safetensors")
+        else:
+            os.remove(dst / "model.safetensors")
+            (dst / "pytorch_model.bin").write_bytes(b"weights")
+            (dst / "generation_config.json").write_text("{}")
+    before = _snapshot(tmp_path)
+    with pytest.raises(OutputExistsError, match=r"opt: not replaced: " + why + r".*Choose another destination, or "
+                                                                               r"move it away yourself"):
+        export_hf(FIXTURES / "mp2_ddp", dst, overwrite=True)
+    assert _snapshot(tmp_path) == before and not _all_leftovers(tmp_path)
+
+
+_KILL_BETWEEN_RENAMES = textwrap.dedent("""
+    import os, sys
+    from metaseq_oneload._hf_export import export_hf
+    real = os.rename
+    def rename(a, b):
+        real(a, b)
+        if ".oneload-old+" in str(b):  # the previous export is aside, the new one not yet in place
+            os._exit(9)
+    os.rename = rename
+    export_hf(sys.argv[1], sys.argv[2], overwrite=True)
+""")
+
+
+def test_killed_between_the_two_renames(tmp_path):
+    """An --overwrite killed after moving the previous export aside and before moving the
+    new one in leaves DST missing: the next export to DST puts the previous one back (it
+    never deletes it) and removes the unfinished one."""
+    dst = tmp_path / "opt"
+    export_hf(FIXTURES / "singleton", dst, dtype=torch.bfloat16)  # the previous export, told apart by its dtype
+    r = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(FIXTURES / "mp2_ddp"), str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    left = sorted(leftovers(tmp_path, "opt"))
+    assert not dst.exists() and len(left) == 2 and ".opt.oneload-old+" in left[0] and ".opt.oneload-tmp+" in left[1]
+    with pytest.raises(OutputExistsError, match=r"opt already exists.*Note: .*opt was put back from "
+                                                r"\.opt\.oneload-old\+"):
+        export_hf(FIXTURES / "mp2_ddp", dst)
+    assert config_of(dst)["torch_dtype"] == "bfloat16" and not leftovers(tmp_path, "opt")
+    export_hf(FIXTURES / "mp2_ddp", dst, overwrite=True)
+    assert config_of(dst)["torch_dtype"] == "float32" and not leftovers(tmp_path, "opt")
+
+
+def test_interrupted_between_the_two_renames(tmp_path, monkeypatch):
+    """In-process (Ctrl-C, SIGTERM turned into SystemExit by the CLI) at the same point:
+    the previous export is put back at once."""
+    import metaseq_oneload._hf_export as hx
+
+    dst = tmp_path / "opt"
+    export_hf(FIXTURES / "singleton", dst, dtype=torch.bfloat16)
+    real = os.rename
+
+    def rename(a, b):
+        real(a, b)
+        if ".oneload-old+" in str(b):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(hx.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(FIXTURES / "mp2_ddp", dst, overwrite=True)
+    assert config_of(dst)["torch_dtype"] == "bfloat16" and not leftovers(tmp_path, "opt")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_cleanup_touches_only_this_hosts_dead_exports(tmp_path, monkeypatch):
+    """Hidden folders carry the host and pid that wrote them: only this host's, of a pid
+    that is gone, holding nothing but export files, are removed."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node")
+    dead = _dead_pid()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def folder(name, files=("model.safetensors",)):
+            (tmp_path / name).mkdir()
+            for f in files:
+                (tmp_path / name / f).write_bytes(b"x")
+            return name
+
+        removed = [folder(f".opt.oneload-tmp+node+{dead}+0a1b2c3d"),
+                   folder(f".opt.oneload-tmp-node-{dead}"),  # as earlier versions named them
+                   folder(f".opt.oneload-old+node+{dead}+99aa", ("config.json", "model-00001-of-00002.safetensors")),
+                folder(f".opt.oneload-old+node+{dead}+77bb", ())]  # named, killed before DST was moved there
+        kept = [folder(f".opt.oneload-tmp+node+{alive.pid}+0a1b2c3d"),  # still running
+                folder(f".opt.oneload-tmp+other+{dead}+0a1b2c3d"),  # another host
+                folder(f".opt.oneload-tmp+node-7+{dead}+0a1b2c3d"),  # host "node-7", not "node"
+                folder(f".opt.oneload-tmp+node+{dead}+ffff", ("model.safetensors", "notes.txt")),  # not only ours
+                folder(f".opt.oneload-tmp+node+{os.getpid()}+0a1b2c3d"),  # this process (another thread)
+                folder(f".other.oneload-tmp+node+{dead}+0a1b2c3d")]  # another destination
+        (tmp_path / "opt").mkdir()  # DST present: the old folder is a leftover of its removal
+        (tmp_path / "opt" / "config.json").write_text("{}")
+        (tmp_path / "opt" / "model.safetensors").write_bytes(b"x")
+        result = export_hf(FIXTURES / "singleton", tmp_path / "opt", overwrite=True)
+        names = set(os.listdir(tmp_path))
+        assert not names & set(removed) and set(kept) <= names
+        assert any(f".opt.oneload-tmp+node+{dead}+ffff: left in place" in w for w in result.warnings)
+        assert sorted(os.listdir(tmp_path / "opt")) == ["config.json", "model.safetensors"]
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_an_empty_old_folder_is_not_put_back(tmp_path, monkeypatch):
+    """Killed after naming the folder DST was to move to, before moving it, and DST removed
+    since: there is nothing to put back, and no empty DST appears."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node")
+    (tmp_path / f".opt.oneload-old+node+{_dead_pid()}+1234").mkdir()
+    export_hf(FIXTURES / "singleton", tmp_path / "opt")
+    assert sorted(os.listdir(tmp_path / "opt")) == ["config.json", "model.safetensors"]
+    assert not leftovers(tmp_path, "opt")
+
+
+def test_threads_exporting_to_one_destination(tmp_path):
+    """Two exports of one process have one pid: their temporary folders must still differ."""
+    import threading
+
+    dst, errors = tmp_path / "opt", []
+    export_hf(FIXTURES / "singleton", dst)
+    start = threading.Barrier(4)
+
+    def run(src):
+        start.wait()
+        try:
+            export_hf(FIXTURES / src, dst, overwrite=True)
+        except Exception as e:  # pragma: no cover - the failure is reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in ("singleton", "mp2_ddp", "fsdp_dp3", "shard_only")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors"] and not leftovers(tmp_path, "opt")
+    ref = reference("singleton")
+    assert (opt_logits(dst, ref["tokens"]) - ref["logits"]).abs().max() <= 1e-4
 
 
 def test_cli_table(tmp_path, capsys):
@@ -256,7 +528,7 @@ def _stop_mid_write(proc, parent: Path, base: str) -> Path:
     """Freeze the export once a weight file is partly written; returns its temporary folder."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        tmps = [p for p in parent.iterdir() if p.name.startswith(f".{base}.oneload-tmp-")]
+        tmps = [p for p in parent.iterdir() if p.name.startswith(f".{base}.oneload-tmp+")]
         if tmps and any(f.stat().st_size > (1 << 20) for f in tmps[0].iterdir()):
             proc.send_signal(signal.SIGSTOP)
             return tmps[0]

@@ -160,3 +160,143 @@ def test_export_hf_is_a_cli_command():
     _load_commands()
     args = build_parser().parse_args(["export-hf", "a", "b", "--max-shard-size", "2GB", "--json"])
     assert (args.src, args.dst, args.max_shard_size, args.json, args.overwrite) == ("a", "b", "2GB", True, False)
+
+
+# --------------------------------------------------------------------------- threads
+
+
+@pytest.fixture
+def global_state():
+    """What building on meta patches process-wide, put back whatever a failing test left."""
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    saved = (nn.Module.register_parameter, PreTrainedModel.init_weights, torch.get_default_dtype(),
+             dict(vars(torch.nn.init)))
+    yield saved
+    nn.Module.register_parameter, PreTrainedModel.init_weights = saved[0], saved[1]
+    torch.set_default_dtype(saved[2])
+    for k, v in saved[3].items():
+        setattr(torch.nn.init, k, v)
+
+
+def _unchanged(saved) -> list:
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    changed = []
+    if nn.Module.register_parameter is not saved[0]:
+        changed.append("nn.Module.register_parameter")
+    if PreTrainedModel.init_weights is not saved[1]:
+        changed.append("PreTrainedModel.init_weights")
+    if torch.get_default_dtype() != saved[2]:
+        changed.append(f"default dtype {torch.get_default_dtype()}")
+    changed += [f"torch.nn.init.{k}" for k, v in saved[3].items() if getattr(torch.nn.init, k) is not v]
+    return changed
+
+
+def _run(*targets) -> list:
+    import threading
+
+    errors = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # reported by the test
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(t)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def test_params_on_meta_is_per_thread(global_state):
+    """A enters, B enters, A leaves while B is still building, C builds an ordinary model
+    meanwhile. The patch used to be undone by A under B (B's later parameters real), seen by
+    C (its parameters on meta), and left installed for good by B."""
+    import threading
+
+    from torch import nn
+
+    from metaseq_oneload._hf import _params_on_meta
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    got = {}
+
+    def a():
+        with _params_on_meta():
+            got["a"] = nn.Linear(2, 2).weight.device.type
+            a_in.set()
+            b_in.wait(5)
+            got["c"] = pool.submit(lambda: nn.Linear(2, 2).weight.device.type).result()  # not building
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with _params_on_meta():
+            b_in.set()
+            a_out.wait(5)
+            got["b"] = nn.Linear(2, 2).weight.device.type
+            with _params_on_meta():  # nested in one thread
+                got["b nested"] = nn.Linear(2, 2).weight.device.type
+            got["b after nested"] = nn.Linear(2, 2).weight.device.type
+
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert not _run(a, b)
+    assert got == {"a": "meta", "b": "meta", "c": "cpu", "b nested": "meta", "b after nested": "meta"}
+    assert not _unchanged(global_state)
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_two_threads_build_at_once(global_state):
+    """Two empty_model calls with different dtypes, the first leaving while the second is
+    still inside (transformers' own process-wide switches, torch's default dtype and
+    torch.nn.init, included): each model is right and nothing stays patched."""
+    import threading
+
+    from torch import nn
+
+    from tests.hf_tiny import tiny_t5_config
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    class Paused(T5ForConditionalGeneration):
+        def post_init(self):
+            if torch.get_default_dtype() == torch.bfloat16:  # A
+                a_in.set()
+                b_in.wait(1)  # B cannot start while A builds: the wait times out
+            else:  # B
+                b_in.set()
+                a_out.wait(5)
+                self.extra = nn.Linear(2, 2)  # built after A left
+            super().post_init()
+
+    models = {}
+
+    def a():
+        models["a"] = empty_model(Paused, config=tiny_t5_config(), dtype=torch.bfloat16)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        models["b"] = empty_model(Paused, config=tiny_t5_config(), dtype=torch.float32)
+
+    assert not _run(a, b)
+    for name, dtype in (("a", torch.bfloat16), ("b", torch.float32)):
+        params = dict(models[name].named_parameters())
+        assert {p.device.type for p in params.values()} == {"meta"}, name
+        assert {p.dtype for p in params.values()} == {dtype}, name
+        assert_tied(models[name])
+    assert "extra.weight" in dict(models["b"].named_parameters())
+    assert not _unchanged(global_state)
+    torch.manual_seed(0)
+    fresh = nn.Linear(4, 4)
+    assert fresh.weight.device.type == "cpu" and fresh.weight.dtype == torch.float32 and fresh.weight.abs().sum() > 0

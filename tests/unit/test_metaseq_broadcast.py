@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from metaseq_oneload._metaseq import _same_everywhere, broadcast_object
+from metaseq_oneload._metaseq import _digest, _same_everywhere, broadcast_object
 from tests.distributed.harness import run_ranks
 
 
@@ -63,6 +63,9 @@ def broadcast_worker(rank: int, world: int) -> list:
     out.append(_same_everywhere(same_sd, dist.group.WORLD) is same_sd)
     differing = {"w": torch.full((2, 3), float(rank))} if rank == 0 else {}
     out.append(torch.equal(_same_everywhere(differing, dist.group.WORLD)["w"], torch.zeros(2, 3)))
+    # Same numbers in another order (equal float sums): not the same state dict.
+    permuted = {"w": torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else torch.tensor([3.0, 2.0, 1.0])}
+    out.append(_same_everywhere(permuted, dist.group.WORLD)["w"].tolist() == [1.0, 2.0, 3.0])
     return out
 
 
@@ -77,9 +80,20 @@ def test_broadcast_object_on_three_ranks(tmp_path):
         assert r[2].startswith("DistributedLoadError: broadcast_object: unpacking the object failed on 2 rank(s) (1, 2)")
         assert "holds tests.unit.test_metaseq_broadcast.NotAllowed, which is outside the allowlist" in r[2]
         assert r[3].startswith("DistributedLoadError: broadcast_object: packing the object failed on 1 rank(s) (0)")
-        assert r[4] is True and r[5] is True
+        assert r[4] is True and r[5] is True and r[6] is True
 
 
 def test_without_a_process_group_it_is_the_identity():
     obj = {"t": torch.ones(2)}
     assert broadcast_object(obj, 0, None) is obj
+
+
+def test_digest_hashes_bytes_not_sums():
+    a = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    assert _digest(a) == _digest({"w": torch.tensor([1.0, 2.0, 3.0])})
+    assert _digest(a) != _digest({"w": torch.tensor([3.0, 2.0, 1.0])})
+    assert _digest(a) != _digest({"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)})
+    assert _digest(a) != _digest({"w": torch.tensor([[1.0, 2.0, 3.0]])})
+    assert _digest({"b": torch.tensor([True, False]), "h": torch.ones(2, dtype=torch.bfloat16)}) != _digest(
+        {"b": torch.tensor([False, True]), "h": torch.ones(2, dtype=torch.bfloat16)})
+    assert _digest({"t": torch.arange(6.0).reshape(2, 3).t()}) == _digest({"t": torch.arange(6.0).reshape(2, 3).t().contiguous()})

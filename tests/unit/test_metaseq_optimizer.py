@@ -1,14 +1,18 @@
-"""Resuming on another data-parallel size: the flat optimizer state that install()'s
-Trainer.load_checkpoint hands to metaseq, checked against fairscale's own sharding of the
-saved state (metaseq itself is not needed)."""
+"""The optimizer state that install()'s Trainer.load_checkpoint hands to metaseq
+(``_metaseq.rank_optimizer_state``), checked against fairscale's own sharding of the saved
+state, and against what the offline conversion writes for the same rank: one planning path
+(``_optim.plan_optimizer`` + ``rank_state``), the same bytes (metaseq itself is not needed)."""
 
 import pytest
 import torch
 
 import metaseq_oneload as mo
-from metaseq_oneload._metaseq import _reshard_flat_optimizer, _saved_shards_fit
-from tests.conftest import FIXTURES, needs_fixtures, raw_load
+from metaseq_oneload._convert import convert
+from metaseq_oneload._metaseq import _state_sizes_fit, rank_optimizer_state
+from metaseq_oneload._optim import rest_source, same_weights_layout
+from tests.conftest import FIXTURES, copy_set, needs_fixtures, raw_load
 from tests.distributed.workers import fairscale_shard
+from tests.unit.test_convert import _equal
 
 pytestmark = needs_fixtures
 
@@ -24,19 +28,27 @@ def saved_state(layout, part: int) -> list:
     return out
 
 
+def skeleton_for(layout, part: int, parts: int, shard: int, shards: int) -> dict:
+    """The saved optimizer state install() starts from for that rank (the file of
+    rest_source, as the metaseq patch reads it)."""
+    return raw_load(rest_source(layout, part, parts, shard, shards))["last_optimizer_state"]
+
+
 @pytest.mark.parametrize("name,world", [("fsdp_dp3", 2), ("fsdp_dp3", 1), ("fsdp_dp3", 4), ("fsdp_dp3", 3),
-                                        ("mp2_dp2", 1), ("mp2_dp2", 3), ("shard_only", 3)])
+                                        ("mp2_dp2", 1), ("mp2_dp2", 3), ("shard_only", 3), ("shard_only", 2)])
 def test_flat_optimizer_state_resharded_like_fairscale(name, world):
     layout = mo.inspect(FIXTURES / name)
-    for part in range(layout.model_parallel_size):
+    M = layout.model_parallel_size
+    for part in range(M):
         shards = saved_state(layout, part)
-        skeleton = raw_load(layout.files[part][0].path)["last_optimizer_state"]
         for rank in range(world):
-            got = _reshard_flat_optimizer(layout, part, rank, world, skeleton)
+            skeleton = skeleton_for(layout, part, M, rank, world)
+            got, why = rank_optimizer_state(layout, skeleton, part=part, parts=M, shard=rank, shards=world, flat=True)
+            assert got is not None, why
             assert got["param_groups"] == skeleton["param_groups"]
             for i, key in enumerate(sorted(skeleton["state"])):
                 for field, value in skeleton["state"][key].items():
-                    new = got["state"][key][field]
+                    new = got["state"][i][field]
                     if not torch.is_tensor(value) or value.dim() == 0:
                         assert new == value  # step: the same on every shard
                         continue
@@ -48,19 +60,61 @@ def test_flat_optimizer_state_resharded_like_fairscale(name, world):
                     assert torch.equal(new, want), (name, world, part, rank, key, field)
 
 
-def test_which_saved_layouts_fit_a_world_as_they_are():
-    assert _saved_shards_fit(mo.inspect(FIXTURES / "fsdp_dp3"), 0, 3)
-    assert not _saved_shards_fit(mo.inspect(FIXTURES / "fsdp_dp3"), 0, 2)
-    assert _saved_shards_fit(mo.inspect(FIXTURES / "mp2_dp2"), 1, 2)
+def test_which_saved_layouts_are_taken_as_they_are():
+    fsdp = mo.inspect(FIXTURES / "fsdp_dp3")
+    assert same_weights_layout(fsdp, parts=1, shards=3, flat=True)
+    assert not same_weights_layout(fsdp, parts=1, shards=2, flat=True)
+    assert not same_weights_layout(fsdp, parts=2, shards=3, flat=True)
+    assert not same_weights_layout(fsdp, parts=1, shards=3, flat=False)
+    assert same_weights_layout(mo.inspect(FIXTURES / "mp2_dp2"), parts=2, shards=2, flat=True)
+    assert same_weights_layout(mo.inspect(FIXTURES / "mp2_ddp"), parts=2, shards=4, flat=False)
     shard_only = mo.inspect(FIXTURES / "shard_only")
     opt = raw_load(shard_only.files[0][0].path)["last_optimizer_state"]
     # The weights fit 2 ranks, but reshard_fsdp's optimizer state is 4674 per shard, not 4673.
-    assert _saved_shards_fit(shard_only, 0, 2) and not _saved_shards_fit(shard_only, 0, 2, opt)
+    assert same_weights_layout(shard_only, parts=1, shards=2, flat=True) and not _state_sizes_fit(opt, shard_only, 0, 0, 2)
 
 
-def test_state_that_does_not_belong_to_the_weights_is_refused():
-    layout = mo.inspect(FIXTURES / "fsdp_dp3")
+def test_state_that_does_not_belong_to_the_weights_is_refused(tmp_path):
+    src = copy_set("fsdp_dp3", tmp_path)
+    for f in sorted(src.glob("checkpoint_2-*.pt")):
+        obj = raw_load(f)
+        state = obj["last_optimizer_state"]["state"]
+        del state[max(state)]
+        torch.save(obj, f)
+    layout = mo.inspect(src / "checkpoint_2.pt")
     skeleton = raw_load(layout.files[0][0].path)["last_optimizer_state"]
-    wrong = dict(skeleton, state={k: v for k, v in skeleton["state"].items() if k != max(skeleton["state"])})
-    with pytest.raises(mo.CheckpointLayoutError, match=r"the optimizer state has 2 entries but model part 0 has 3 flat parameters"):
-        _reshard_flat_optimizer(layout, 0, 0, 2, wrong)
+    got, why = rank_optimizer_state(layout, skeleton, part=0, parts=1, shard=0, shards=2, flat=True)
+    assert got is None
+    assert "optimizer state for 2 parameters but the file holds 3 flat parameters" in why
+
+
+@pytest.mark.parametrize("name", ["fsdp_dp3", "shard_only", "mp2_dp2"])
+def test_install_and_convert_give_the_same_optimizer_state(tmp_path, name):
+    """Regression: the metaseq patch (materialised now) and the conversion (streamed to
+    disk) lay out the optimizer state of every rank the same way, bit for bit, onto 1..4
+    data-parallel ranks and model-parallel 1 and 2."""
+    layout = mo.inspect(FIXTURES / name)
+    for M in (1, 2):
+        for W in (1, 2, 3, 4):
+            r = convert(FIXTURES / name, tmp_path / f"{M}x{W}" / "ck", model_parallel=M, shards=W, flat=True,
+                        jobs=1, progress=False)
+            assert r.optimizer == "carried", r.notes
+            for m in range(M):
+                for d in range(W):
+                    written = raw_load(r.files[m * W + d])["last_optimizer_state"]
+                    got, why = rank_optimizer_state(layout, skeleton_for(layout, m, M, d, W), part=m, parts=M,
+                                                    shard=d, shards=W, flat=True)
+                    assert got is not None, why
+                    _equal(got, written, f"{name} {M}x{W} part {m} shard {d}")
+
+
+def test_unflattened_state_is_the_same_both_ways(tmp_path):
+    layout = mo.inspect(FIXTURES / "mp2_ddp")
+    for M in (1, 2):
+        r = convert(FIXTURES / "mp2_ddp", tmp_path / f"{M}" / "ck", model_parallel=M, progress=False)
+        for m in range(M):
+            written = raw_load(r.files[m])["last_optimizer_state"]
+            got, why = rank_optimizer_state(layout, skeleton_for(layout, m, M, 0, 1), part=m, parts=M, shard=0,
+                                            shards=1, flat=False)
+            assert got is not None, why
+            _equal(got, written, f"mp2_ddp -> {M} part {m}")

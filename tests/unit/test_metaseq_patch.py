@@ -36,14 +36,22 @@ def _why_not() -> str:
 pytestmark = [needs_fixtures, pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "metaseq available")]
 
 
-def setup_metaseq(model_parallel: int) -> None:
-    """(every rank) What metaseq's distributed_init does after init_process_group."""
+def import_metaseq() -> None:
+    """metaseq on this machine's torch: the CPU shim, whose own fixes for torch.load's
+    weights_only and for fairscale's load_local_state_dict are taken back (install() must
+    provide both)."""
     if not torch.cuda.is_available():
         sys.path.insert(0, str(SHIM.parent))
         import metaseq_cpu_shim as shim
 
         shim._F2.load_local_state_dict = shim._orig_lsd
         torch.serialization.clear_safe_globals()
+    importlib.import_module("metaseq")
+
+
+def setup_metaseq(model_parallel: int) -> None:
+    """(every rank) What metaseq's distributed_init does after init_process_group."""
+    import_metaseq()
     from metaseq.distributed import utils as distributed_utils
     from metaseq.modules.megatron import global_vars
     from metaseq.modules.megatron.mpu import initialize_model_parallel, model_parallel_cuda_manual_seed
@@ -171,3 +179,108 @@ def model_parallel_worker(rank: int, world: int) -> dict:
 def test_model_parallel_parts(tmp_path):
     for out in run_ranks(2, model_parallel_worker, tmp_path=tmp_path, timeout=240):
         assert out["mp2_ddp"] <= 1e-5 and out["mp2_dp2"] <= 1e-5
+
+
+def named_file_worker(rank: int, world: int, tmp: str) -> dict:
+    """A script outside a trainer, no model-parallel groups: a named part file reads as
+    metaseq reads it; the folder (or un-suffixed name) gives the whole model."""
+    import_metaseq()
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from metaseq import checkpoint_utils
+
+    from metaseq_oneload import _metaseq
+    from metaseq_oneload._convert import convert
+    from tests.conftest import assert_matches_reference, raw_load, reference_part, reference_weights
+    from tests.unit.test_convert import _equal
+
+    _metaseq.install()
+    out = {}
+    part1 = FIXTURES / "mp2_ddp" / "checkpoint_2-model_part-1.pt"
+    state, raw = checkpoint_utils.load_checkpoint_to_cpu(str(part1)), raw_load(part1)
+    out["part1_fc1"] = list(state["model"]["decoder.layers.0.fc1.weight"].shape)
+    _equal(dict(state["model"]), dict(raw["model"]), "model")  # the file's own tensors, names, order
+    _equal(state["last_optimizer_state"], raw["last_optimizer_state"], "optimizer")
+    _equal(state["extra_state"]["rng_tracker_states"], raw["extra_state"]["rng_tracker_states"], "rng")
+    out["part1_cfg"] = type(state["cfg"]).__name__
+    # The whole set: merged weights, the optimizer state merged like them, no RNG state of
+    # the saved model-parallel ranks (none of them is this process's).
+    whole = checkpoint_utils.load_checkpoint_to_cpu(str(FIXTURES / "mp2_ddp"))
+    out["whole_fc1"] = list(whole["model"]["decoder.layers.0.fc1.weight"].shape)
+    out["whole_rng"] = "rng_tracker_states" in whole["extra_state"]
+    merged = convert(FIXTURES / "mp2_ddp", os.path.join(tmp, "one", "ck"), model_parallel=1, progress=False)
+    _equal(whole["last_optimizer_state"], raw_load(merged.files[0])["last_optimizer_state"], "merged optimizer")
+    # metaseq's consolidated singleton: split k/v/q fused as every metaseq model names them.
+    single = checkpoint_utils.load_checkpoint_to_cpu(str(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt"))
+    names = list(single["model"])
+    out["single_fused"] = any(n.endswith("qkv_proj.weight") for n in names) and not any("k_proj" in n for n in names)
+    # A flat shard of part 1: that part's shards merged for this one data-parallel rank
+    # (metaseq merges them too), not the whole model; its own RNG state kept.
+    shard = FIXTURES / "mp2_dp2" / "checkpoint_2-model_part-1-shard0.pt"
+    flat = checkpoint_utils.load_checkpoint_to_cpu(str(shard))
+    full = FSDP.consolidate_shard_weights([flat["model"]], [flat["shard_metadata"]])
+    assert_matches_reference(full, {k: v for k, v in reference_part(reference_weights(), 1, 2).items()
+                                    if k != "decoder.output_projection.weight"})
+    _equal(flat["extra_state"]["rng_tracker_states"], raw_load(shard)["extra_state"]["rng_tracker_states"], "rng")
+    out["flat_opt"] = [v["exp_avg"].numel() for _, v in sorted(flat["last_optimizer_state"]["state"].items())] == [
+        t.numel() for k, t in flat["model"].items() if "flat_param" in k]
+    return out
+
+
+def test_a_named_file_reads_as_metaseq_reads_it(tmp_path):
+    out = run_ranks(1, named_file_worker, str(tmp_path), tmp_path=tmp_path, timeout=240)[0]
+    assert out["part1_fc1"] == [32, 34] and out["part1_cfg"] == "DictConfig"
+    assert out["whole_fc1"] == [64, 34] and out["whole_rng"] is False
+    assert out["single_fused"] and out["flat_opt"]
+
+
+def hub_utils_worker(rank: int, world: int) -> dict:
+    import importlib.abc
+    import logging
+
+    import_metaseq()
+    from metaseq_oneload import _metaseq
+
+    class Failing(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "metaseq.hub_utils":
+                raise RuntimeError("CUDA driver not found")  # not an ImportError
+            return None
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("metaseq_oneload").addHandler(handler)
+    sys.modules.pop("metaseq.hub_utils", None)
+    sys.meta_path.insert(0, Failing())
+    out = {"installed": _metaseq.install()}
+    out["warning"] = [r.getMessage() for r in records if "hub_utils" in r.getMessage()]
+    from metaseq import checkpoint_utils
+
+    out["rest_patched"] = checkpoint_utils.load_checkpoint_to_cpu.__module__ == "metaseq_oneload._metaseq"
+    return out
+
+
+def test_any_failure_of_hub_utils_leaves_the_rest_patched(tmp_path):
+    out = run_ranks(1, hub_utils_worker, tmp_path=tmp_path, timeout=240)[0]
+    assert out["installed"] is True and out["rest_patched"]
+    assert out["warning"] and "RuntimeError: CUDA driver not found" in out["warning"][0]
+    assert "GeneratorInterface.load_model is not patched" in out["warning"][0]
+
+
+def test_no_metaseq_option_is_a_prefix_of_a_loading_flag():
+    """explicit_settings() reads argparse abbreviations without the parser; that is exact
+    only if no metaseq option is a strict prefix of one of the four flags (then argparse
+    would take that option, not ours)."""
+    import_metaseq()
+    from metaseq import options
+
+    from metaseq_oneload._hydra import SETTINGS, explicit_settings
+
+    strings = set()
+    for parser in (options.get_training_parser(), options.get_validation_parser(), options.get_generation_parser(),
+                   options.get_eval_lm_parser()):
+        strings |= set(parser._option_string_actions)
+    for s in SETTINGS:
+        assert s.flag in strings
+        assert not [o for o in strings if s.flag.startswith(o) and o != s.flag], s.flag
+    assert explicit_settings(["--model-parallel", "2"], options=strings) == {"common.model_parallel_size"}
