@@ -102,6 +102,20 @@ def _optimizer_shadows(layout: CheckpointLayout) -> tuple:
         return None, f"the optimizer has {len(groups)} parameter groups; only a single group can be re-indexed"
     keys, aligned, scalars, dtypes = None, None, None, {}
     shadows = []
+
+    def agree(entry: Mapping, a: frozenset, s: Mapping) -> Optional[str]:
+        """Every parameter's entry has the same keys, the same ones laid out like the
+        parameters, and the same scalars (``step``); the first entry sets them."""
+        nonlocal keys, aligned, scalars
+        if keys is None:
+            keys, aligned, scalars = tuple(entry), a, s
+        if tuple(entry) != keys or a != aligned:
+            return "optimizer state entries hold different keys"
+        for k, v in s.items():
+            if not torch.is_tensor(v) and v != scalars[k]:
+                return f"optimizer state '{k}' differs between parameters ({v!r} vs {scalars[k]!r})"
+        return None
+
     buffers_all = set(layout.parts[0].buffer_names)
     for part in layout.parts:
         files = layout.files[part.index]
@@ -120,13 +134,9 @@ def _optimizer_shadows(layout: CheckpointLayout) -> tuple:
                         entry, Mapping) else (None, None)
                     if a is None:
                         return None, f"{os.path.basename(f.path)}: optimizer state {i} holds tensors of unexpected shapes"
-                    if keys is None:
-                        keys, aligned, scalars = tuple(entry), a, s
-                    if tuple(entry) != keys or a != aligned:
-                        return None, "optimizer state entries hold different keys"
-                    for k, v in s.items():
-                        if not torch.is_tensor(v) and v != scalars[k]:
-                            return None, f"optimizer state '{k}' differs between parameters ({v!r} vs {scalars[k]!r})"
+                    why = agree(entry, a, s)
+                    if why:
+                        return None, why
                     for k in aligned:
                         v = entry[k]
                         off = storage_byte_offset(v) if f.format == "zip" and v.is_contiguous() else None
@@ -179,13 +189,9 @@ def _optimizer_shadows(layout: CheckpointLayout) -> tuple:
             for i, n in enumerate(order):
                 entry = state[i]
                 a, s = _classify(entry, lambda v, n=n: tuple(v.shape) == tuple(part.tensors[n].shape))
-                if keys is None:
-                    keys, aligned, scalars = tuple(entry), a, s
-                if tuple(entry) != keys or a != aligned:
-                    return None, "optimizer state entries hold different keys"
-                for k, v in s.items():
-                    if not torch.is_tensor(v) and v != scalars[k]:
-                        return None, f"optimizer state '{k}' differs between parameters ({v!r} vs {scalars[k]!r})"
+                why = agree(entry, a, s)
+                if why:
+                    return None, why
                 for k in aligned:
                     v = entry[k]
                     off = storage_byte_offset(v) if f.format == "zip" else None
