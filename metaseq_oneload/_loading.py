@@ -368,15 +368,13 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
             views = [by_name[e.name][0].out[e.start: e.start + e.length]]
         else:
             views = _bucket_views(bucket, entries, targets)
-        if dp.rank == 0:
-            try:
-                for e, v in zip(entries, views):
-                    _fill(targets[e.name], v, e.start, reader)
-                status.fill_(0)
-            except Exception as exc:  # announce it, so receivers do not wait forever
-                error, _ = exc, status.fill_(1)
-        dp.broadcast(status)
-        if int(status.item()):
+        def read(entries=entries, views=views):
+            for e, v in zip(entries, views):
+                _fill(targets[e.name], v, e.start, reader)
+
+        failed, stop = _announce(dp, status, read)
+        error = error or failed
+        if stop:
             break
         if is_direct:
             dp.broadcast(views[0])
@@ -395,6 +393,21 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
         except Exception as exc:
             error = exc
     return error, sums
+
+
+def _announce(dp: Group, status: torch.Tensor, read: Callable[[], None]) -> tuple:
+    """(collective over ``dp``) Rank 0 runs ``read`` (fills the next bucket) and tells
+    everyone whether it could, before anyone waits for data that would never come.
+    Returns (rank 0's exception or None, whether every rank must stop)."""
+    error = None
+    if dp.rank == 0:
+        try:
+            read()
+            status.fill_(0)
+        except Exception as exc:
+            error, _ = exc, status.fill_(1)
+    dp.broadcast(status)
+    return error, bool(status.item())
 
 
 def _bucket_views(bucket: torch.Tensor, entries: Sequence[_Entry], targets: Mapping[str, TargetTensor]) -> list:
@@ -462,19 +475,17 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
         if not pieces:
             continue
         views = _bucket_views(bucket, entries, targets) if dp.rank == 0 else None
-        if dp.rank == 0:
-            try:
-                for e, v in zip(entries, views):
-                    _fill(targets[e.name], v, e.start, reader)
-                for e, v in zip(entries, views):
-                    _scatter_local(by_name.get(e.name, ()), e, v)
-                if progress:
-                    progress(sum(v.numel() * v.element_size() for v in views))
-                status.fill_(0)
-            except Exception as exc:  # announce it, so receivers do not wait forever
-                error, _ = exc, status.fill_(1)
-        dp.broadcast(status)
-        if int(status.item()):
+        def read(entries=entries, views=views):
+            for e, v in zip(entries, views):
+                _fill(targets[e.name], v, e.start, reader)
+            for e, v in zip(entries, views):
+                _scatter_local(by_name.get(e.name, ()), e, v)
+            if progress:
+                progress(sum(v.numel() * v.element_size() for v in views))
+
+        failed, stop = _announce(dp, status, read)
+        error = error or failed
+        if stop:
             break
         # Receivers get their landing places ready; only if all can does anyone send.
         posts, landing, got = {}, [], 0
