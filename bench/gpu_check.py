@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import metaseq_oneload as oneload  # noqa: E402
 from tests.conftest import FIXTURES, assert_matches_reference, reference_weights  # noqa: E402
-from tests.tiny_metaseq import TinyMetaseqLM  # noqa: E402
+from tests.tiny_metaseq import TinyMetaseqLM, sharded_on_meta  # noqa: E402
 
 
 def _on(sd: dict, device: str) -> None:
@@ -64,19 +64,13 @@ def single(device: str) -> list:
 
 def _fsdp2_nccl(rank, world, store, results):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        mesh = init_device_mesh("cuda", (world,))
-        with torch.device("meta"):
-            model = TinyMetaseqLM()
-        for layer in model.decoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded_on_meta(init_device_mesh("cuda", (world,)))
         report = oneload.load_into(model, FIXTURES / "mp2_ddp", device="cuda", verify=True)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.state_dict().items()}
         _on(full, "cuda")

@@ -64,17 +64,10 @@ def _measure(fn) -> tuple:
 
 def _fsdp2_model(dims):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from tests.tiny_metaseq import TinyMetaseqLM
+    from tests.tiny_metaseq import sharded_on_meta
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    with torch.device("meta"):
-        model = TinyMetaseqLM(**dims)
-    for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return sharded_on_meta(init_device_mesh("cpu", (dist.get_world_size(),)), **dims)
 
 
 def _run(kind: str, path: str, dims: dict, bucket_mb: float):

@@ -836,9 +836,10 @@ def _unflatten(fp: FlatParam, part: int, files: Sequence[CheckpointFile], header
     return out
 
 
-def _cfg_warnings(layout_files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, n_parts: int,
-                  n_shards: int, flat: bool, name: FileName) -> list:
+def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, flat: bool,
+                  name: FileName) -> list:
     out = []
+    n_parts, n_shards = len(files), len(files[0])
     sharded = flat or n_shards > 1
 
     def warn(field_name: str, value: Any, files_say: Any) -> None:
@@ -938,7 +939,7 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
             f"common.model_parallel_size={settings.model_parallel_size} (missing {', '.join(missing)}). "
             "Copy the missing part(s) next to the others."
         )
-    warnings = _cfg_warnings(files, settings, len(files), len(files[0]), bool(parts[0].flat_params), name)
+    warnings = _cfg_warnings(files, settings, bool(parts[0].flat_params), name)
     updates = run_ids[files[0][0].path][0] if run_ids else None
     first = headers[files[0][0].path]
     cfg = first.get("cfg") if isinstance(first.get("cfg"), Mapping) else None

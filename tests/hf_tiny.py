@@ -83,11 +83,7 @@ def edited_singleton(dst_dir, *, cfg: Optional[dict] = None, drop=(), add: Optio
     model = {k: v for k, v in obj["model"].items() if k not in drop}
     model.update(add or {})
     obj["model"] = model
-    dst = Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    out = dst / "checkpoint_2_consolidated.pt"
-    torch.save(obj, out)
-    return out
+    return _save_singleton(obj, dst_dir)
 
 
 def big_singleton(dst_dir, *, dim: int = 1024, layers: int = 8, ffn: int = 4096, vocab: int = 8192,
@@ -114,12 +110,16 @@ def big_singleton(dst_dir, *, dim: int = 1024, layers: int = 8, ffn: int = 4096,
         sd[p + "fc2.weight"], sd[p + "fc2.bias"] = torch.empty(dim, ffn), torch.zeros(dim)
     sd["decoder.version"] = torch.tensor([3.0])
     obj["model"] = sd
+    return _save_singleton(obj, dst_dir)
+
+
+def config_of(folder) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
+def _save_singleton(obj: dict, dst_dir) -> Path:
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
     out = dst / "checkpoint_2_consolidated.pt"
     torch.save(obj, out)
     return out
-
-
-def config_of(folder) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())

@@ -32,3 +32,16 @@ class TinyMetaseqLM(nn.Module):
         self.decoder.output_projection = nn.Linear(dim, vocab // mp, bias=False)
         self.decoder.output_projection.weight = self.decoder.embed_tokens.weight
         self.decoder.register_buffer("version", torch.tensor([3.0]))
+
+
+def sharded_on_meta(mesh, **dims) -> TinyMetaseqLM:
+    """The model built on ``meta`` and sharded with FSDP2 over ``mesh``, each layer its own
+    unit and the root holding the rest (as metaseq wraps it); nothing allocated yet."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = TinyMetaseqLM(**dims)
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

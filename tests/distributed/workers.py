@@ -103,17 +103,11 @@ def load_into_fsdp2(rank: int, world: int, name: str, strategy: str, blind_ranks
     """A meta-built model, sharded with FSDP2, filled in place; blind ranks get a path
     that does not exist on them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from tests.tiny_metaseq import TinyMetaseqLM
+    from tests.tiny_metaseq import sharded_on_meta
 
-    mesh = init_device_mesh("cpu", (world,))
-    with torch.device("meta"):
-        model = TinyMetaseqLM()
-    for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_on_meta(init_device_mesh("cpu", (world,)))
     path = FIXTURES / name if rank not in blind_ranks else f"/nonexistent-on-rank-{rank}/checkpoint_last.pt"
     report = mo.load_into(model, path, strategy=strategy, verify=True)
     ref = reference_weights()
