@@ -1,8 +1,8 @@
 """Shared test fixtures.
 
-Real metaseq-written checkpoints live in ``../shared/fixtures/metaseq`` (see its README);
-tests that need them skip cleanly where that folder is absent. Set ONELOAD_FIXTURES to
-point elsewhere.
+Real metaseq- and fairseq-written checkpoints live in the repository, in
+``tests/fixtures/metaseq`` and ``tests/fixtures/fairseq`` (see their READMEs for how each set
+was made). Set ONELOAD_FIXTURES to point the metaseq sets elsewhere.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("ONELOAD_FIXTURES", REPO.parent / "shared" / "fixtures" / "metaseq"))
+FIXTURES = Path(os.environ.get("ONELOAD_FIXTURES", REPO / "tests" / "fixtures" / "metaseq"))
 SETS = ("singleton", "fsdp_dp3", "mp2_ddp", "mp2_dp2", "shard_only")
 
 # (kind, model_parallel_size, shards_per_part, flat) of each fixture set, from its README.
