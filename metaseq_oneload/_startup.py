@@ -159,7 +159,7 @@ def from_pth() -> None:
 
 def _install_when_imported(settings: Callable[[], Any], hydra_schema: bool, tolerant: bool = False) -> None:
     """Install the patch (``settings()`` gives (config, explicit), or None for nothing) as
-    soon as metaseq or fairseq is imported; now if one is. ``_metaseq`` (and with it torch) is
+    soon as metaseq or fairseq is imported; now if one is. ``integrations`` (and with it torch) is
     imported only then. ``tolerant``: a failure is a warning, not an exception."""
 
     def install() -> None:
@@ -168,9 +168,9 @@ def _install_when_imported(settings: Callable[[], Any], hydra_schema: bool, tole
             return
         config, explicit = found
         try:
-            from . import _metaseq
+            from .integrations import install as install_patch
 
-            _metaseq.install(config, explicit=explicit, hydra_schema=hydra_schema)
+            install_patch(config, explicit=explicit, hydra_schema=hydra_schema)
         except Exception as e:  # noqa: BLE001
             if not tolerant:
                 raise

@@ -97,7 +97,7 @@ def run_with_pth(tmp_path, argv, env=None, program="metaseq-fake", then=""):
         import sys, os, json
         {PTH.strip()}
         print(json.dumps({{"argv": sys.argv[1:], "env": os.environ.get("METASEQ_ONELOAD"),
-                          "heavy": sorted(m for m in ("torch", "hydra", "omegaconf", "metaseq_oneload._metaseq")
+                          "heavy": sorted(m for m in ("torch", "hydra", "omegaconf", "metaseq_oneload.integrations")
                                           if m in sys.modules),
                           "hook": any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)}}), flush=True)
         """) + textwrap.dedent(then))
@@ -194,7 +194,7 @@ def test_the_hook_imports_the_patch_only_with_metaseq(tmp_path):
     r = run_with_pth(tmp_path, ["data", "+oneload=auto"])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert "torch" not in out["heavy"] and "metaseq_oneload._metaseq" not in out["heavy"] and out["hook"]
+    assert "torch" not in out["heavy"] and "metaseq_oneload.integrations" not in out["heavy"] and out["hook"]
 
 
 def test_after_import_fires_once_the_package_has_run(tmp_path):

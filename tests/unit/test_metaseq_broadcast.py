@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from metaseq_oneload._metaseq import _digest, _same_everywhere, broadcast_object
+from metaseq_oneload.integrations._core import _digest, _same_everywhere, broadcast_object
 from tests.distributed.harness import run_ranks
 
 

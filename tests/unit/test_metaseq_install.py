@@ -44,7 +44,7 @@ def run(tmp_path, code: str) -> dict:
 def test_repeated_install_keeps_the_config_and_off_uninstalls(tmp_path):
     out = run(tmp_path, """
         import fairseq.checkpoint_utils as cu
-        from metaseq_oneload import _metaseq as m
+        from metaseq_oneload.integrations import _core as m
         orig = cu.load_checkpoint_to_cpu
         out = {"first": m.install({"strategy": "broadcast", "bucket_mb": 8}, explicit=["--model-parallel-size"])}
         out["again"] = m.install()  # e.g. a script's own install() after the start-up hook's
@@ -65,10 +65,10 @@ def test_repeated_install_keeps_the_config_and_off_uninstalls(tmp_path):
 def test_only_the_library_in_use_is_imported_and_patched(tmp_path):
     out = run(tmp_path, """
         import fairseq.checkpoint_utils as cu
-        from metaseq_oneload import _metaseq as m
+        from metaseq_oneload.integrations import _core as m
         out = {"installed": m.install(), "libraries": list(m._STATE.libraries),
                "metaseq_imported": "metaseq" in sys.modules,
-               "fairseq_patched": cu.load_checkpoint_to_cpu.__module__ == "metaseq_oneload._metaseq"}
+               "fairseq_patched": cu.load_checkpoint_to_cpu.__module__ == "metaseq_oneload.integrations.fairseq"}
         import metaseq  # imported later: patched as it is imported; this stand-in cannot be, which is logged
         out["import_ok"] = metaseq.IMPORTED
         out["libraries_after"] = list(m._STATE.libraries)

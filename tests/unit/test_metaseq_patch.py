@@ -82,7 +82,7 @@ def install_worker(rank: int, world: int) -> dict:
     from metaseq import checkpoint_utils, file_io, hub_utils, trainer
     from metaseq.distributed import fully_sharded_data_parallel as fsdp_module
     from metaseq.distributed import utils as distributed_utils
-    from metaseq_oneload import _metaseq
+    from metaseq_oneload import integrations
 
     singleton = str(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")
     names = [(checkpoint_utils, "load_checkpoint_to_cpu"), (checkpoint_utils, "load_model_ensemble_and_task"),
@@ -97,8 +97,8 @@ def install_worker(rank: int, world: int) -> dict:
         out["before"] = "loaded"
     except Exception as e:  # torch >= 2.6 refuses the Namespace in every metaseq checkpoint
         out["before"] = type(e).__name__
-    out["first_install"] = _metaseq.install()
-    out["second_install"] = _metaseq.install({"strategy": "reshard"})
+    out["first_install"] = integrations.install()
+    out["second_install"] = integrations.install({"strategy": "reshard"})
     out["patched"] = [getattr(t, n) is not b for (t, n), b in zip(names, before)]
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([singleton])
     out["singleton"] = logits_diff(models[0], "singleton")
@@ -108,7 +108,7 @@ def install_worker(rank: int, world: int) -> dict:
     out["shard_only"] = logits_diff(models[0], "shard_only")
     state = file_io.torch_load_cpu(singleton)
     out["torch_load_cpu"] = sorted(state)
-    out["uninstall"] = [_metaseq.uninstall(), _metaseq.uninstall()]
+    out["uninstall"] = [integrations.uninstall(), integrations.uninstall()]
     out["restored"] = [getattr(t, n) is b for (t, n), b in zip(names, before)]
     out["safe_globals_after"] = len(torch.serialization.get_safe_globals())
     return out
@@ -131,11 +131,11 @@ def fsdp_worker(rank: int, world: int) -> dict:
     from metaseq.dataclass.configs import DistributedTrainingConfig
     from metaseq.distributed import fsdp_enable_wrap, fsdp_wrap
     from metaseq.distributed import utils as distributed_utils
-    from metaseq_oneload import _metaseq
+    from metaseq_oneload import integrations
     from tests.conftest import reference_part, reference_weights
     from tests.distributed.workers import check_flat
 
-    _metaseq.install()
+    integrations.install()
     path = str(FIXTURES / "fsdp_dp3" / "checkpoint_last.pt")
     # (fp16/bf16 default to interpolations of common.*, which a bare dataclass cannot resolve)
     dt = DistributedTrainingConfig(distributed_world_size=world, ddp_backend="fully_sharded", use_sharded_state=True,
@@ -166,9 +166,9 @@ def test_padded_three_shards_onto_two_fsdp_ranks(tmp_path):
 def model_parallel_worker(rank: int, world: int) -> dict:
     setup_metaseq(2)
     from metaseq import checkpoint_utils
-    from metaseq_oneload import _metaseq
+    from metaseq_oneload import integrations
 
-    _metaseq.install()
+    integrations.install()
     out = {}
     for name in ("mp2_ddp", "mp2_dp2"):  # unflattened parts, and flat parts of 2 shards each
         models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(FIXTURES / name)])
@@ -188,12 +188,12 @@ def named_file_worker(rank: int, world: int, tmp: str) -> dict:
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
     from metaseq import checkpoint_utils
 
-    from metaseq_oneload import _metaseq
+    from metaseq_oneload import integrations
     from metaseq_oneload._convert import convert
     from tests.conftest import assert_matches_reference, raw_load, reference_part, reference_weights
     from tests.unit.test_convert import _equal
 
-    _metaseq.install()
+    integrations.install()
     out = {}
     part1 = FIXTURES / "mp2_ddp" / "checkpoint_2-model_part-1.pt"
     state, raw = checkpoint_utils.load_checkpoint_to_cpu(str(part1)), raw_load(part1)
@@ -238,7 +238,7 @@ def hub_utils_worker(rank: int, world: int) -> dict:
     import logging
 
     import_metaseq()
-    from metaseq_oneload import _metaseq
+    from metaseq_oneload import integrations
 
     class Failing(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -252,11 +252,11 @@ def hub_utils_worker(rank: int, world: int) -> dict:
     logging.getLogger("metaseq_oneload").addHandler(handler)
     sys.modules.pop("metaseq.hub_utils", None)
     sys.meta_path.insert(0, Failing())
-    out = {"installed": _metaseq.install()}
+    out = {"installed": integrations.install()}
     out["warning"] = [r.getMessage() for r in records if "hub_utils" in r.getMessage()]
     from metaseq import checkpoint_utils
 
-    out["rest_patched"] = checkpoint_utils.load_checkpoint_to_cpu.__module__ == "metaseq_oneload._metaseq"
+    out["rest_patched"] = checkpoint_utils.load_checkpoint_to_cpu.__module__ == "metaseq_oneload.integrations.metaseq"
     return out
 
 
