@@ -189,6 +189,9 @@ class CheckpointLayout:
     num_updates: Optional[int]
     flavor: str = "pytorch"  # "metaseq", "fairseq" or "pytorch" (a bare state dict)
     warnings: tuple = field(default=())
+    # What the files carry that does not describe their own tensors ("shard_metadata",
+    # "cfg.common.model_parallel_size", ...): reported, never trusted.
+    stale_metadata: tuple = field(default=())
     trust_pickle: bool = False  # how the headers were (and are again) unpickled
 
     @property
@@ -308,6 +311,7 @@ class CheckpointLayout:
                 "distributed_training.ddp_backend": self.cfg.ddp_backend,
                 "distributed_training.distributed_world_size": self.cfg.distributed_world_size,
             },
+            "stale_metadata": list(self.stale_metadata),
             "warnings": list(self.warnings),
         }
 
@@ -694,34 +698,121 @@ def _read_headers(paths: Sequence[str]) -> dict:
         return dict(zip(paths, pool.map(read_header, paths)))
 
 
-def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, metadata_key: Optional[str]) -> ModelPart:
+_FLAT_NAME_RE = re.compile(r"(?:^|\.)flat_param(?:_\d+)?$")
+# Lists in messages are capped: a folder or cfg that claims a million shards must not make
+# a 100 MB error message.
+_LIST_CAP = 5
+
+
+def _cap(items: Sequence[Any], n: int = _LIST_CAP) -> str:
+    items = list(items)
+    head = ", ".join(str(x) for x in items[:n])
+    return head + (f" ... and {len(items) - n} more" if len(items) > n else "")
+
+
+def _metadata_structure(md: Mapping) -> list:
+    """(fsdp_path, flat name, member names, shapes, numels) per flat parameter."""
+    return [(pm.get("fsdp_path", "") or "", k, list(v["names"]), [tuple(s) for s in v["shapes"]], list(v["numels"]))
+            for pm in md["param_metadata"] for k, v in pm["params"].items()]
+
+
+def _joined(fsdp_path: str, name: str) -> str:
+    return f"{fsdp_path}.{name}" if fsdp_path else name
+
+
+def _flat_reading(index: int, files: Sequence[CheckpointFile], headers: Mapping) -> tuple:
+    """Which reading of one model part's files the tensors support: ("flat", key) when the
+    files hold the flat parameters their metadata lists, ("unflattened", key-or-None) when
+    they hold ordinary tensors (any metadata beside them is stale), or raise when no
+    reading is consistent."""
+    label = lambda f: os.path.basename(f.path)  # noqa: E731
+    models = [_model_dict(headers[f.path]) for f in files]
+    metas = [_flat_metadata(headers[f.path]) for f in files]
+    flat_like = [sorted(n for n in m if _FLAT_NAME_RE.search(n)) for m in models]
+    declared = []
+    for key, md in metas:
+        declared.append(None if md is None else [_joined(p, k) for p, k, *_ in _metadata_structure(md)])
+    holds_flat = []
+    for f, model, names, flat in zip(files, models, declared, flat_like):
+        present = [k for k in (names or ()) if k in model]
+        if names and present and len(present) != len(names):
+            missing = [k for k in names if k not in model]
+            raise CheckpointLayoutError(
+                f"{f.path}: its shard_metadata lists flat parameters {_cap(names)} but the file holds only "
+                f"{_cap(present)} of them (missing {_cap(missing)}): neither a flat FSDP shard nor an "
+                "unflattened file. The file was edited or damaged; copy it again from its source."
+            )
+        holds_flat.append(bool(present) or (bool(flat) and names is None))
+    if any(holds_flat) and not all(holds_flat):
+        flat_files = [label(f) for f, h in zip(files, holds_flat) if h]
+        other = [label(f) for f, h in zip(files, holds_flat) if not h]
+        raise CheckpointLayoutError(
+            f"model part {index}: {_cap(flat_files)} hold flat FSDP parameters but {_cap(other)} hold "
+            "unflattened weights: files of different saves or writers are mixed in one set. Keep only "
+            "the files written by one save."
+        )
+    if all(holds_flat):
+        no_md = [label(f) for f, (k, _) in zip(files, metas) if k is None]
+        if no_md:
+            raise CheckpointLayoutError(
+                f"{files[0].path}: {_cap(no_md)} hold{'s' * (len(no_md) == 1)} flat FSDP parameters "
+                f"({_cap(flat_like[0])}) but no shard_metadata or fsdp_metadata, so how they unflatten "
+                "cannot be known. Expected FSDP local_state_dict shards saved with their shard_metadata "
+                "(use_sharded_state); re-save them, or consolidate them with the tool that wrote them."
+            )
+        keys = {k for k, _ in metas}
+        if len(keys) > 1:
+            raise CheckpointLayoutError(
+                f"model part {index}: some shards carry shard_metadata and some fsdp_metadata: files of "
+                "different writers are mixed. Keep only the files written by one save."
+            )
+        return "flat", keys.pop()
+    if len(files) > 1:
+        raise CheckpointLayoutError(
+            f"{files[0].path}: {len(files)} files are named as FSDP shards of model part {index} "
+            f"({label(files[0])} .. {label(files[-1])}) but each holds unflattened weights, so how they "
+            "split the model cannot be known (copies of one file?). Expected flat FSDP shards with "
+            "shard_metadata; keep one file, or pass the one you mean."
+        )
+    return "unflattened", metas[0][0]
+
+
+def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, stale: list) -> tuple:
+    """One model part from its files' tensors; returns (part, metadata key or None).
+
+    Appends ``(metadata key, warning)`` to ``stale`` for metadata that does not describe the
+    tensors."""
     label = lambda f: os.path.basename(f.path)  # noqa: E731
     first = headers[files[0].path]
     model0 = _model_dict(first)
+    reading, metadata_key = _flat_reading(index, files, headers)
     tensors: dict = {}
-    if metadata_key is None:
-        if len(files) > 1:
-            raise CheckpointLayoutError(
-                f"{files[0].path}: {len(files)} shard files but none carries shard_metadata or "
-                "fsdp_metadata, so how they split the model cannot be known. Expected FSDP "
-                "local_state_dict shards written with use_sharded_state."
-            )
+    if reading == "unflattened":
         for name, t in model0.items():
             tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
                                          (_direct_extent(files[0].path, files[0].format, first, name, t),))
         buffers = tuple(n for n in tensors if n.endswith(_BUFFER_SUFFIXES))
-        return ModelPart(index, tensors, (), buffers, ())
+        shared: list = []
+        if metadata_key is not None:
+            md = first[metadata_key]
+            stale.append((metadata_key, _stale_metadata_note(files[0], metadata_key, md, model0)))
+            # Ties the metadata records still hold where the tensors agree: the writer dropped
+            # the alias (reshard_fsdp --unflatten-weights does) but the model expects it.
+            for pm in md["param_metadata"]:
+                fsdp_path = pm.get("fsdp_path", "") or ""
+                for pair in pm.get("shared_param_info", ()) or ():
+                    src, dst = _joined(fsdp_path, pair[0]), _joined(fsdp_path, pair[1])
+                    if src in tensors and (dst not in tensors or tensors[dst].shape == tensors[src].shape):
+                        shared.append((src, dst))
+            buffers = tuple(dict.fromkeys(buffers + tuple(
+                n for n in (md.get("buffer_names", ()) or ()) if n in tensors)))
+        return ModelPart(index, tensors, (), buffers, tuple(shared)), None
 
     metas = [headers[f.path][metadata_key] for f in files]
     models = [_model_dict(headers[f.path]) for f in files]
-
-    def structure(md: Mapping) -> list:
-        return [(pm.get("fsdp_path", ""), k, list(v["names"]), [tuple(s) for s in v["shapes"]], list(v["numels"]))
-                for pm in md["param_metadata"] for k, v in pm["params"].items()]
-
-    ref = structure(metas[0])
+    ref = _metadata_structure(metas[0])
     for f, md, model in zip(files, metas, models):
-        if structure(md) != ref:
+        if _metadata_structure(md) != ref:
             raise CheckpointLayoutError(
                 f"{f.path}: its {metadata_key} differs from {label(files[0])}'s (other parameter "
                 "names, shapes or grouping): shards of different checkpoints are mixed in one set. "
@@ -729,26 +820,39 @@ def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, m
             )
         if set(model) != set(models[0]):
             raise CheckpointLayoutError(
-                f"{f.path}: holds tensors {sorted(set(model) ^ set(models[0]))[:5]} that "
+                f"{f.path}: holds tensors {_cap(sorted(set(model) ^ set(models[0])))} that "
                 f"{label(files[0])} does not (or the reverse): shards of different checkpoints are mixed."
             )
+        for name, t in model.items():
+            t0 = models[0][name]
+            if t.dtype != t0.dtype:
+                raise CheckpointLayoutError(
+                    f"{f.path}: {name} is stored as {str(t.dtype).replace('torch.', '')} but "
+                    f"{label(files[0])} stores it as {str(t0.dtype).replace('torch.', '')}: every shard "
+                    "of one save has one dtype per tensor, so shards of different saves (or a shard "
+                    "converted on its own) are mixed. Keep only the files written by one save, or "
+                    "convert all of them."
+                )
 
     flat_params = []
     flat_keys = set()
     for pm in metas[0]["param_metadata"]:
         fsdp_path = pm.get("fsdp_path", "") or ""
         for flat_name, v in pm["params"].items():
-            key = f"{fsdp_path}.{flat_name}" if fsdp_path else flat_name
+            key = _joined(fsdp_path, flat_name)
             flat_keys.add(key)
             shard_numels, paddings = [], []
             for f, md, model in zip(files, metas, models):
-                if key not in model:
-                    raise CheckpointLayoutError(f"{f.path}: {metadata_key} lists flat parameter {key} but the file has no such tensor.")
+                if model[key].dim() != 1:
+                    raise CheckpointLayoutError(
+                        f"{f.path}: flat parameter {key} has shape {tuple(model[key].shape)}; FSDP flat "
+                        "parameters are 1-D. The file was edited or damaged."
+                    )
                 padding = next(p["params"][flat_name].get("padding", 0) for p in md["param_metadata"]
                                if (p.get("fsdp_path", "") or "") == fsdp_path)
                 shard_numels.append(model[key].numel())
                 paddings.append(int(padding or 0))
-            names = tuple(f"{fsdp_path}.{n}" if fsdp_path else n for n in v["names"])
+            names = tuple(_joined(fsdp_path, n) for n in v["names"])
             fp = FlatParam(key, fsdp_path, names, tuple(tuple(int(x) for x in s) for s in v["shapes"]),
                            tuple(int(x) for x in v["numels"]), tuple(shard_numels), tuple(paddings),
                            models[0][key].dtype)
@@ -772,9 +876,26 @@ def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, m
     for pm in metas[0]["param_metadata"]:
         fsdp_path = pm.get("fsdp_path", "") or ""
         for pair in pm.get("shared_param_info", ()) or ():
-            src, dst = pair[0], pair[1]
-            shared.append((f"{fsdp_path}.{src}" if fsdp_path else src, f"{fsdp_path}.{dst}" if fsdp_path else dst))
-    return ModelPart(index, tensors, tuple(flat_params), buffer_names, tuple(shared))
+            shared.append((_joined(fsdp_path, pair[0]), _joined(fsdp_path, pair[1])))
+    return ModelPart(index, tensors, tuple(flat_params), buffer_names, tuple(shared)), metadata_key
+
+
+def _stale_metadata_note(f: CheckpointFile, key: str, md: Mapping, model: Mapping) -> str:
+    """The warning for FSDP metadata kept beside unflattened weights, saying whether it
+    still describes them (same names and shapes) or another model."""
+    listed = {}
+    for fsdp_path, _, names, shapes, _ in _metadata_structure(md):
+        for n, s in zip(names, shapes):
+            listed[_joined(fsdp_path, n)] = tuple(int(x) for x in s)
+    disagree = [n for n, s in listed.items() if n in model and tuple(model[n].shape) != s]
+    absent = [n for n in listed if n not in model]
+    note = (f"{os.path.basename(f.path)}: holds unflattened weights but keeps the {key} of the FSDP run it "
+            "came from (as metaseq's reshard_fsdp --unflatten-weights writes it); the tensors are used and "
+            "the metadata is ignored")
+    if disagree or absent:
+        note += (f"; it does not describe them: {len(disagree)} shape(s) differ ({_cap(disagree, 3)}), "
+                 f"{len(absent)} listed tensor(s) absent ({_cap(absent, 3)})")
+    return note + "."
 
 
 def _check_flat(fp: FlatParam, files: Sequence[CheckpointFile]) -> None:
@@ -843,8 +964,9 @@ def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: Checkpoin
     sharded = flat or n_shards > 1
 
     def warn(field_name: str, value: Any, files_say: Any) -> None:
-        out.append(f"cfg {field_name}={value} but the files hold {files_say}; using the files "
-                   "(a consolidated or resharded checkpoint keeps the cfg of the run it came from).")
+        out.append((f"cfg.{field_name}",
+                    f"cfg {field_name}={value} but the files hold {files_say}; using the files "
+                    "(a consolidated or resharded checkpoint keeps the cfg of the run it came from)."))
 
     if settings.model_parallel_size is not None and settings.model_parallel_size != n_parts:
         warn("common.model_parallel_size", settings.model_parallel_size, f"{n_parts} model-parallel part(s)")
@@ -913,22 +1035,35 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
             "Keep only the files written by one save."
         )
 
-    metadata_keys = {(_flat_metadata(headers[f.path])[0]) for row in files for f in row}
-    if len(metadata_keys) > 1:
+    stale: list = []
+    built = [_build_part(m, row, headers, stale) for m, row in enumerate(files)]
+    parts = tuple(p for p, _ in built)
+    readings = {bool(p.flat_params) for p in parts}
+    if len(readings) > 1:
+        flat = [str(p.index) for p in parts if p.flat_params]
         raise CheckpointLayoutError(
-            f"{os.path.join(fs.directory, fs.prefix)}: some files carry FSDP shard metadata and some do not: "
-            "flat shards and unflattened files are mixed. Keep only the files written by one save."
+            f"{os.path.join(fs.directory, fs.prefix)}: model part(s) {_cap(flat)} hold flat FSDP shards but "
+            f"the others hold unflattened weights: files of different saves are mixed. Keep only the files "
+            "written by one save."
         )
-    metadata_key = metadata_keys.pop()
-    parts = tuple(_build_part(m, row, headers, metadata_key) for m, row in enumerate(files))
+    metadata_key = built[0][1]
     names0 = list(parts[0].tensors)
     for p in parts[1:]:
         if list(p.tensors) != names0 and set(p.tensors) != set(names0):
-            diff = sorted(set(p.tensors) ^ set(names0))[:5]
+            diff = sorted(set(p.tensors) ^ set(names0))
             raise CheckpointLayoutError(
                 f"{files[p.index][0].path}: model part {p.index} holds other tensors than part 0 "
-                f"(e.g. {diff}): parts of different models are mixed. Keep only one save's parts."
+                f"(e.g. {_cap(diff)}): parts of different models are mixed. Keep only one save's parts."
             )
+        for n, t in p.tensors.items():
+            t0 = parts[0].tensors[n]
+            if t.dtype != t0.dtype:
+                raise CheckpointLayoutError(
+                    f"{files[p.index][0].path}: {n} is stored as {str(t.dtype).replace('torch.', '')} in model "
+                    f"part {p.index} but as {str(t0.dtype).replace('torch.', '')} in part 0: parts of different "
+                    "saves (or a part converted on its own) are mixed. Keep only one save's parts, or convert "
+                    "all of them."
+                )
 
     settings = _settings(headers[files[0][0].path])
     if name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files):
@@ -936,10 +1071,10 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
                    for m in range(len(files), settings.model_parallel_size)]
         raise CheckpointLayoutError(
             f"{os.path.join(fs.directory, fs.prefix)}: found model parts 0..{len(files) - 1} but cfg "
-            f"common.model_parallel_size={settings.model_parallel_size} (missing {', '.join(missing)}). "
+            f"common.model_parallel_size={settings.model_parallel_size} (missing {_cap(missing)}). "
             "Copy the missing part(s) next to the others."
         )
-    warnings = _cfg_warnings(files, settings, bool(parts[0].flat_params), name)
+    stale_cfg = _cfg_warnings(files, settings, bool(parts[0].flat_params), name)
     updates = run_ids[files[0][0].path][0] if run_ids else None
     first = headers[files[0][0].path]
     cfg = first.get("cfg") if isinstance(first.get("cfg"), Mapping) else None
@@ -960,6 +1095,7 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
         aliases=fs.aliases,
         num_updates=updates,
         flavor=flavor,
-        warnings=tuple(warnings),
+        warnings=tuple(w for _, w in stale + stale_cfg),
+        stale_metadata=tuple(dict.fromkeys(k for k, _ in stale + stale_cfg)),
         trust_pickle=trust_pickle,
     )
