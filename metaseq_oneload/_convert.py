@@ -1,6 +1,6 @@
 """Offline conversion: any checkpoint layout to any other, on disk, in bounded memory.
 
-Three verbs, and their subcommands (registered into :mod:`.cli` on import):
+Three verbs (the command line in :mod:`.cli` runs them):
 
 ``convert(src, dst_prefix, model_parallel=M, shards=N)``
     Rewrites a checkpoint as M model-parallel parts x N FSDP shards, with metaseq's file
@@ -35,7 +35,6 @@ import contextlib
 import copy
 import dataclasses
 import errno
-import json
 import math
 import os
 import re
@@ -814,130 +813,3 @@ def consolidate(src: "str | os.PathLike", dst: "str | os.PathLike", **kwargs) ->
     if not dst.endswith((".pt", ".safetensors")) and not (dst.endswith(os.sep) or os.path.isdir(dst)):
         raise ValueError(f"{dst}: expected a file name ending in .pt (or .safetensors), or an existing folder.")
     return convert(src, dst, model_parallel=1, shards=1, flat=False, **kwargs)
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _register() -> None:
-    from .cli import command, human_bytes, table
-
-    def add_common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--format", choices=FORMATS, default="torch",
-                       help="torch (metaseq's files, default) or safetensors (+ a JSON of the metadata)")
-        p.add_argument("--drop-optimizer", action="store_true", help="leave the optimizer state out")
-        p.add_argument("--overwrite", action="store_true",
-                       help="replace existing destination files (never a source file)")
-        p.add_argument("--jobs", type=int, default=None, help="files written concurrently (default: CPUs)")
-        p.add_argument("--memory-budget", default=None,
-                       help="buffer memory of all jobs together, e.g. 512M, 2G (default 1G)")
-        p.add_argument("--chunk-mb", type=float, default=32, help="I/O chunk per read and write (default 32)")
-        p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights")
-        p.add_argument("--qkv", choices=("auto", "fused", "split"), default="auto",
-                       help="attention projections: metaseq's fused qkv_proj (auto) or split k/v/q_proj")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
-
-    def report_table(r: ConvertReport) -> str:
-        layout = f"{r.model_parallel}x{r.shards} {'flat' if r.flat else 'unflattened'}"
-        rows = [
-            ["source", f"{r.src}  ({r.source})"],
-            ["target", f"{r.dst_prefix}  ({layout}, {r.format})"],
-            ["optimizer", r.optimizer],
-            ["written", f"{len(r.files) + len(r.sidecars)} file(s), {human_bytes(r.bytes_written)} of tensors in "
-                        f"{r.seconds:.2f} s ({r.jobs} job(s), {human_bytes(r.chunk_bytes)} chunks)"],
-            ["read", human_bytes(r.bytes_read)],
-        ]
-        out = [table(rows), "", "files"]
-        out.append(table([[os.path.basename(p), human_bytes(os.path.getsize(p))]
-                          for p in list(r.files) + list(r.sidecars)]))
-        if r.notes:
-            out += ["", "notes"] + [f"  - {n}" for n in r.notes]
-        if r.removed:
-            out += ["", "removed"] + [f"  - {p}" for p in r.removed]
-        return "\n".join(out)
-
-    def kwargs_of(args) -> dict:
-        return dict(format=args.format, drop_optimizer=args.drop_optimizer, overwrite=args.overwrite, jobs=args.jobs,
-                    memory_budget=args.memory_budget, chunk_mb=args.chunk_mb, dtype=args.dtype, qkv=args.qkv,
-                    trust_pickle=args.trust_pickle, progress=False if (args.no_progress or args.json) else None)
-
-    @command("convert", "rewrite a checkpoint as M model-parallel parts x N shards, streaming, never over its source")
-    def _convert_cmd(args) -> int:
-        r = convert(args.src, args.dst_prefix, model_parallel=args.model_parallel, shards=args.shards,
-                    flat=args.flat, wrapping=args.wrapping, **kwargs_of(args))
-        print(json.dumps(r.to_dict(), indent=2) if args.json else report_table(r))
-        return 0
-
-    def _configure_convert(p: argparse.ArgumentParser) -> None:
-        p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
-        p.add_argument("dst_prefix", help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes)")
-        p.add_argument("--model-parallel", "-m", type=int, default=None, help="model-parallel parts (default: the source's)")
-        p.add_argument("--shards", "-s", type=int, default=None, help="FSDP shards per part (default: the source's)")
-        g = p.add_mutually_exclusive_group()
-        g.add_argument("--flat", dest="flat", action="store_true", default=None,
-                       help="fairscale flat-parameter shards with shard_metadata (default when --shards > 1)")
-        g.add_argument("--unflat", dest="flat", action="store_false",
-                       help="unflattened weights, one file per part (needs --shards 1)")
-        p.add_argument("--wrapping", default=None,
-                       help="a flat shard whose FSDP wrapping a flat output of an unflattened source follows")
-        add_common(p)
-
-    _convert_cmd.configure = _configure_convert
-
-    @command("consolidate", "write a checkpoint as one unflattened file (DST.pt)")
-    def _consolidate_cmd(args) -> int:
-        r = consolidate(args.src, args.dst, **kwargs_of(args))
-        print(json.dumps(r.to_dict(), indent=2) if args.json else report_table(r))
-        return 0
-
-    def _configure_consolidate(p: argparse.ArgumentParser) -> None:
-        p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
-        p.add_argument("dst", help="the output file, e.g. /out/consolidated.pt")
-        add_common(p)
-
-    _consolidate_cmd.configure = _configure_consolidate
-
-    @command("verify", "compare two checkpoints of any layouts tensor by tensor (exit 0 only if they match)")
-    def _verify_cmd(args) -> int:
-        r = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
-                   progress=False if (args.no_progress or args.json) else None)
-        if args.json:
-            print(json.dumps(r.to_dict(), indent=2))
-            return 0 if r.match else 1
-        out = [table([["a", f"{r.a}  ({r.source_a})"], ["b", f"{r.b}  ({r.source_b})"],
-                      ["tolerance", f"|a-b| <= {r.atol:g} + {r.rtol:g} * |b|"]])]
-        if r.only_in_a or r.only_in_b or r.shape_mismatches:
-            out += ["", "structure"]
-            out += [f"  only in a: {n}" for n in r.only_in_a[:20]]
-            out += [f"  only in b: {n}" for n in r.only_in_b[:20]]
-            out += [f"  shape: {n}: a {sa} vs b {sb}" for n, sa, sb in r.shape_mismatches[:20]]
-        top = [d for d in r.largest(args.top) if d.max_abs > 0 or d.mismatched]
-        if top:
-            out += ["", f"largest differences (of {len(r.diffs)} tensors)",
-                    table([[d.name, "x".join(map(str, d.shape)) or "scalar", f"{d.max_abs:.3g}", f"{d.max_rel:.3g}",
-                            f"{d.mismatched:,}"] for d in top],
-                          header=["tensor", "shape", "max |a-b|", "max rel", "over tol"])]
-        bad = sum(1 for d in r.diffs if d.mismatched)
-        if r.match:
-            verdict = (f"MATCH: {len(r.diffs)} tensors, {r.elements:,} elements"
-                       + (", bit-identical" if r.identical else " within tolerance"))
-        else:
-            verdict = (f"DIFFER: {bad} of {len(r.diffs)} tensors out of tolerance"
-                       + (f", {len(r.only_in_a) + len(r.only_in_b)} names unmatched" if r.only_in_a or r.only_in_b else "")
-                       + (f", {len(r.shape_mismatches)} shapes differ" if r.shape_mismatches else ""))
-        out += ["", verdict]
-        print("\n".join(out))
-        return 0 if r.match else 1
-
-    def _configure_verify(p: argparse.ArgumentParser) -> None:
-        p.add_argument("a", help="a checkpoint (any layout)")
-        p.add_argument("b", help="another checkpoint (any layout)")
-        p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
-        p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
-        p.add_argument("--top", type=int, default=10, help="how many of the largest differences to print")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
-
-    _verify_cmd.configure = _configure_verify
-
-
-_register()

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import re
-import signal
 import threading
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -39,7 +38,6 @@ from torch import nn
 from ._dist import Group, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
 from ._loading import _is_dtensor, _owner, load_into
-from .cli import command, human_bytes, table
 
 __all__ = ["from_pretrained", "empty_model", "fully_shard_blocks", "fsdp1_param_init_fn"]
 
@@ -659,60 +657,3 @@ def fsdp1_param_init_fn(model: nn.Module, device: "str | torch.device") -> Calla
                     a_owner._parameters[a_leaf] = source
 
     return init
-
-
-# --------------------------------------------------------------------------- export-hf
-
-
-@command("export-hf", "convert a metaseq checkpoint (any layout) into a Hugging Face OPT folder")
-def _export_hf(args) -> int:
-    from ._hf_export import export_hf
-
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-
-    def on_term(signum, frame):  # unwind, so the temporary folder is removed
-        raise SystemExit(128 + signum)
-
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        result = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size, dtype=dtype,
-                           overwrite=args.overwrite, chunk_mb=args.chunk_mb, trust_pickle=args.trust_pickle)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-        return 0
-    c = result.config
-    print(table([
-        ["source", f"{result.src}  ({result.kind})"],
-        ["written", result.dst],
-        ["files", ", ".join(result.files)],
-        ["tensors", f"{result.num_tensors} ({result.num_params:,} params, {human_bytes(result.total_bytes)})"],
-        ["architecture", f"OPT: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} "
-                         f"heads, ffn {c['ffn_dim']}, vocab {c['vocab_size']}, {c['max_position_embeddings']} positions"],
-        ["", f"{c['activation_function']}, {'pre' if c['do_layer_norm_before'] else 'post'}-LN, "
-             f"{'tied' if c['tie_word_embeddings'] else 'untied'} lm_head, {c['torch_dtype']}"],
-        ["seconds", f"{result.seconds:.1f}"],
-    ]))
-    for w in result.warnings:
-        print(f"warning: {w}")
-    return 0
-
-
-def _configure_export_hf(p) -> None:
-    p.add_argument("src", help="any file of the metaseq checkpoint, its folder, un-suffixed name or a glob")
-    p.add_argument("dst", help="the Hugging Face folder to create (must not exist, unless --overwrite)")
-    p.add_argument("--max-shard-size", default="5GB",
-                   help="largest safetensors file; above it, model-0000k-of-0000n.safetensors + index (default 5GB)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="write the weights in this dtype (default: as stored)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing DST once the export is complete; only a folder an earlier export wrote "
-                        "(config.json, model*.safetensors, the index) or an empty one")
-    p.add_argument("--chunk-mb", type=float, default=64, help="bytes read and written at a time (peak memory)")
-
-
-_export_hf.configure = _configure_export_hf

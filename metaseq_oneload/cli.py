@@ -1,29 +1,39 @@
 """The ``metaseq-oneload`` command line: thin over the public API.
 
 Every subcommand prints a readable table, or one JSON object with ``--json``. Errors print
-one clear message and exit non-zero; ``--debug`` adds the traceback.
-"""
+one clear message and exit non-zero; ``--debug`` adds the traceback. Warnings go to
+stderr, so that stdout stays the report (or the JSON) alone.
 
-from __future__ import annotations
+The parser, ``--help`` and ``--version`` import nothing heavy: every subcommand's flags are
+declared here, and the modules that import torch are imported only when a command runs.
+"""
 
 import argparse
 import json
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from . import __version__
 from ._errors import OneloadError
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
-_COMMANDS: dict = {}
+# name -> (run(args) -> int, one-line help, configure(parser) or None)
+_COMMANDS: Dict[str, Tuple[Callable, str, Optional[Callable]]] = {}
+
+# The dtypes --dtype takes, for convert, consolidate and export-hf alike; the same names as
+# _convert's table of torch dtypes (a test keeps the two equal), spelled out here so that the
+# parser needs no torch.
+DTYPES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
+FORMATS = ("torch", "safetensors")
 
 
 def command(name: str, help: str) -> Callable:
     """Register ``fn(args) -> int`` as a subcommand; ``fn.configure(parser)`` adds its flags."""
 
     def wrap(fn):
-        _COMMANDS[name] = (fn, help)
+        _COMMANDS[name] = (fn, help, None)
         return fn
 
     return wrap
@@ -47,6 +57,16 @@ def table(rows: Sequence[Sequence], header: Optional[Sequence] = None) -> str:
     if header:
         lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _progress(args) -> Optional[bool]:
+    # None: a bar when stderr is a terminal (the library's default); never under --json.
+    return False if (getattr(args, "no_progress", False) or args.json) else None
 
 
 # --------------------------------------------------------------------------- inspect
@@ -88,20 +108,19 @@ def _describe(layout) -> str:
         out.append(f"... and {shown - 16} more files")
     if layout.aliases:
         out.append(f"links: {', '.join(layout.aliases[:4])}{' ...' if len(layout.aliases) > 4 else ''}")
-    if layout.warnings:
-        out += ["", "warnings"] + [f"  - {w}" for w in layout.warnings]
     return "\n".join(out)
 
 
-@command("inspect", "describe a checkpoint from its metadata (no tensor data is read)")
 def _inspect(args) -> int:
     from . import inspect
 
     layout = inspect(args.path, trust_pickle=args.trust_pickle)
     if args.json:
         print(json.dumps(layout.to_dict(), indent=2))
-    else:
-        print(_describe(layout))
+        return 0
+    print(_describe(layout))
+    for w in layout.warnings:
+        warn(w)
     return 0
 
 
@@ -109,21 +128,219 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a folder, any file of the set, the un-suffixed name, or a glob")
 
 
-_inspect.configure = _configure_inspect
+# --------------------------------------------------------------------------- convert, consolidate
+
+
+def _add_write_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=FORMATS, default="torch",
+                   help="torch (metaseq's files, default) or safetensors (+ a JSON of the metadata)")
+    p.add_argument("--drop-optimizer", action="store_true", help="leave the optimizer state out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing destination files (never a source file)")
+    p.add_argument("--jobs", type=int, default=None, help="files written concurrently (default: CPUs)")
+    p.add_argument("--memory-budget", default=None,
+                   help="buffer memory of all jobs together, e.g. 512M, 2G (default 1G)")
+    p.add_argument("--chunk-mb", type=float, default=32, help="I/O chunk per read and write (default 32)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="cast the weights")
+    p.add_argument("--qkv", choices=("auto", "fused", "split"), default="auto",
+                   help="attention projections: metaseq's fused qkv_proj (auto) or split k/v/q_proj")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+
+def _write_kwargs(args) -> dict:
+    return dict(format=args.format, drop_optimizer=args.drop_optimizer, overwrite=args.overwrite, jobs=args.jobs,
+                memory_budget=args.memory_budget, chunk_mb=args.chunk_mb, dtype=args.dtype, qkv=args.qkv,
+                trust_pickle=args.trust_pickle, progress=_progress(args))
+
+
+def _convert_table(r) -> str:
+    layout = f"{r.model_parallel}x{r.shards} {'flat' if r.flat else 'unflattened'}"
+    rows = [
+        ["source", f"{r.src}  ({r.source})"],
+        ["target", f"{r.dst_prefix}  ({layout}, {r.format})"],
+        ["optimizer", r.optimizer],
+        ["written", f"{len(r.files) + len(r.sidecars)} file(s), {human_bytes(r.bytes_written)} of tensors in "
+                    f"{r.seconds:.2f} s ({r.jobs} job(s), {human_bytes(r.chunk_bytes)} chunks)"],
+        ["read", human_bytes(r.bytes_read)],
+    ]
+    out = [table(rows), "", "files"]
+    out.append(table([[os.path.basename(p), human_bytes(os.path.getsize(p))]
+                      for p in list(r.files) + list(r.sidecars)]))
+    if r.notes:
+        out += ["", "notes"] + [f"  - {n}" for n in r.notes]
+    if r.removed:
+        out += ["", "removed"] + [f"  - {p}" for p in r.removed]
+    return "\n".join(out)
+
+
+def _convert(args) -> int:
+    from ._convert import convert
+
+    r = convert(args.src, args.dst_prefix, model_parallel=args.model_parallel, shards=args.shards,
+                flat=args.flat, wrapping=args.wrapping, **_write_kwargs(args))
+    print(json.dumps(r.to_dict(), indent=2) if args.json else _convert_table(r))
+    return 0
+
+
+def _configure_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
+    p.add_argument("dst_prefix", help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes)")
+    p.add_argument("--model-parallel", "-m", type=int, default=None, help="model-parallel parts (default: the source's)")
+    p.add_argument("--shards", "-s", type=int, default=None, help="FSDP shards per part (default: the source's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--flat", dest="flat", action="store_true", default=None,
+                   help="fairscale flat-parameter shards with shard_metadata (default when --shards > 1)")
+    g.add_argument("--unflat", dest="flat", action="store_false",
+                   help="unflattened weights, one file per part (needs --shards 1)")
+    p.add_argument("--wrapping", default=None,
+                   help="a flat shard whose FSDP wrapping a flat output of an unflattened source follows")
+    _add_write_options(p)
+
+
+def _consolidate(args) -> int:
+    from ._convert import consolidate
+
+    r = consolidate(args.src, args.dst, **_write_kwargs(args))
+    print(json.dumps(r.to_dict(), indent=2) if args.json else _convert_table(r))
+    return 0
+
+
+def _configure_consolidate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
+    p.add_argument("dst", help="the output file, e.g. /out/consolidated.pt")
+    _add_write_options(p)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _verify(args) -> int:
+    from ._verify import verify
+
+    r = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
+               progress=_progress(args))
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return 0 if r.match else 1
+    out = [table([["a", f"{r.a}  ({r.source_a})"], ["b", f"{r.b}  ({r.source_b})"],
+                  ["tolerance", f"|a-b| <= {r.atol:g} + {r.rtol:g} * |b|"]])]
+    if r.only_in_a or r.only_in_b or r.shape_mismatches:
+        out += ["", "structure"]
+        out += [f"  only in a: {n}" for n in r.only_in_a[:20]]
+        out += [f"  only in b: {n}" for n in r.only_in_b[:20]]
+        out += [f"  shape: {n}: a {sa} vs b {sb}" for n, sa, sb in r.shape_mismatches[:20]]
+    top = [d for d in r.largest(args.top) if d.max_abs > 0 or d.mismatched]
+    if top:
+        out += ["", f"largest differences (of {len(r.diffs)} tensors)",
+                table([[d.name, "x".join(map(str, d.shape)) or "scalar", f"{d.max_abs:.3g}", f"{d.max_rel:.3g}",
+                        f"{d.mismatched:,}"] for d in top],
+                      header=["tensor", "shape", "max |a-b|", "max rel", "over tol"])]
+    bad = sum(1 for d in r.diffs if d.mismatched)
+    if r.match:
+        verdict = (f"MATCH: {len(r.diffs)} tensors, {r.elements:,} elements"
+                   + (", bit-identical" if r.identical else " within tolerance"))
+    else:
+        verdict = (f"DIFFER: {bad} of {len(r.diffs)} tensors out of tolerance"
+                   + (f", {len(r.only_in_a) + len(r.only_in_b)} names unmatched" if r.only_in_a or r.only_in_b else "")
+                   + (f", {len(r.shape_mismatches)} shapes differ" if r.shape_mismatches else ""))
+    out += ["", verdict]
+    print("\n".join(out))
+    return 0 if r.match else 1
+
+
+def _configure_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="a checkpoint (any layout)")
+    p.add_argument("b", help="another checkpoint (any layout)")
+    p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
+    p.add_argument("--top", type=int, default=10, help="how many of the largest differences to print")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+
+# --------------------------------------------------------------------------- export-hf
+
+
+def _export_hf(args) -> int:
+    import signal
+    import threading
+
+    from ._convert import _DTYPES
+    from ._hf_export import export_hf
+
+    def on_term(signum, frame):  # unwind, so the temporary folder is removed
+        raise SystemExit(128 + signum)
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        result = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size,
+                           dtype=_DTYPES[args.dtype] if args.dtype else None, overwrite=args.overwrite,
+                           chunk_mb=args.chunk_mb, trust_pickle=args.trust_pickle, progress=_progress(args))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    c = result.config
+    print(table([
+        ["source", f"{result.src}  ({result.kind})"],
+        ["written", result.dst],
+        ["files", ", ".join(result.files)],
+        ["tensors", f"{result.num_tensors} ({result.num_params:,} params, {human_bytes(result.total_bytes)})"],
+        ["architecture", f"OPT: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} "
+                         f"heads, ffn {c['ffn_dim']}, vocab {c['vocab_size']}, {c['max_position_embeddings']} positions"],
+        ["", f"{c['activation_function']}, {'pre' if c['do_layer_norm_before'] else 'post'}-LN, "
+             f"{'tied' if c['tie_word_embeddings'] else 'untied'} lm_head, {c['torch_dtype']}"],
+        ["seconds", f"{result.seconds:.1f}"],
+    ]))
+    for w in result.warnings:
+        warn(w)
+    return 0
+
+
+def _configure_export_hf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="any file of the metaseq checkpoint, its folder, un-suffixed name or a glob")
+    p.add_argument("dst", help="the Hugging Face folder to create (must not exist, unless --overwrite)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file; above it, model-0000k-of-0000n.safetensors + index (default 5GB)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="write the weights in this dtype (default: as stored)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST once the export is complete; only a folder an earlier export wrote "
+                        "(config.json, model*.safetensors, the index) or an empty one")
+    p.add_argument("--chunk-mb", type=float, default=64, help="bytes read and written at a time (peak memory)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
 
 
 # --------------------------------------------------------------------------- main
 
+_COMMANDS.update({
+    "inspect": (_inspect, "describe a checkpoint from its metadata (no tensor data is read)", _configure_inspect),
+    "convert": (_convert, "rewrite a checkpoint as M model-parallel parts x N shards, streaming, never over its source",
+                _configure_convert),
+    "consolidate": (_consolidate, "write a checkpoint as one unflattened file (DST.pt)", _configure_consolidate),
+    "verify": (_verify, "compare two checkpoints of any layouts tensor by tensor (exit 0 only if they match)",
+               _configure_verify),
+    "export-hf": (_export_hf, "convert a metaseq checkpoint (any layout) into a Hugging Face OPT folder",
+                  _configure_export_hf),
+})
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; building it (and printing any --help) imports no torch."""
     parser = argparse.ArgumentParser(
         prog="metaseq-oneload",
         description="Inspect, load, convert and export metaseq/fairseq checkpoints of any layout.",
     )
+    parser.add_argument("--version", action="version", version=f"metaseq-oneload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (fn, help_text) in _COMMANDS.items():
+    for name, (fn, help_text, configure) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        fn.configure(p)
+        configure = configure or getattr(fn, "configure", None)
+        if configure is not None:
+            configure(p)
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         p.add_argument("--debug", action="store_true", help="print the traceback on errors")
         p.add_argument("--trust-pickle", action="store_true",
@@ -133,9 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _load_commands()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``metaseq-oneload`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    args = build_parser().parse_args(argv)
     try:
         return int(args._fn(args) or 0)
     except (OneloadError, FileNotFoundError, ValueError, KeyboardInterrupt) as e:
@@ -151,20 +367,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _load_commands() -> None:
-    """Subcommands that live in other modules register themselves on import."""
-    import importlib
-
-    for mod in ("metaseq_oneload._convert", "metaseq_oneload._hf"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    """Kept for callers of the old registry: every command is declared above now."""
 
 
 if __name__ == "__main__":
     # ``python -m metaseq_oneload.cli`` runs this file as __main__, a second copy of the
-    # module: delegate to the package's, whose registry the other modules' commands fill.
+    # module: delegate to the package's.
     from metaseq_oneload.cli import main as _main
 
     sys.exit(_main())
