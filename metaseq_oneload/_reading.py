@@ -22,16 +22,21 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import contextlib
 import ctypes
 import functools
 import os
 import pickle
+import pickletools
+import struct
 import threading
 import typing
+import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -165,25 +170,456 @@ def _file_kind(path: str) -> str:
     )
 
 
+# --------------------------------------------------------------------------- the archive
+# torch (2.4 and later) does not read a storage's place in the file when it unpickles onto
+# ``meta``: it computes it, assuming the archive was written by torch's own writer (miniz:
+# records in key order, a 16- or 24-byte data descriptor after each, local headers padded to
+# ``.storage_alignment`` with a fixed extra field). A valid zip written any other way (re-
+# stored with Python's zipfile, ZIP64 forced, another tool) gets offsets that point into the
+# wrong bytes, and no meta load checks a record's size. So every offset the engine reads is
+# taken from the archive itself here, as ``torch.load`` finds it when it reads the data:
+# central directory -> the record's *local* header -> its data, then checked against the
+# pickle's own claims (record size == storage bytes, every tensor inside its storage).
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
+_LOCAL = struct.Struct("<4s2B4HL2L2H")
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+# What miniz, torch's zip reader, can decompress; anything else torch.load cannot read.
+_METHODS = {0: "stored", 8: "deflate"}
+_METHOD_NAMES = {12: "bzip2", 14: "lzma", 93: "zstandard", 95: "xz", 99: "AES-encrypted"}
+
+
+@dataclass(frozen=True)
+class ZipRecord:
+    """One member of a torch archive, located as a zip reader finds it (central directory
+    entry, then the record's own local header, whose name and extra-field lengths may
+    differ from the central directory's)."""
+
+    name: str  # inside the archive's folder, e.g. "data/0"
+    header_offset: int
+    data_offset: int  # first byte of the (possibly compressed) data
+    size: int  # bytes once uncompressed, per the central directory
+    compressed_size: int
+    method: int  # 0 stored, 8 deflate
+
+    @property
+    def stored(self) -> bool:
+        return self.method == 0
+
+
+@dataclass(frozen=True)
+class ZipIndex:
+    """The records of one torch archive that ``torch.load`` reads, by name."""
+
+    path: str
+    folder: str  # the archive's top folder: torch looks every record up under it
+    records: Mapping[str, ZipRecord]
+    byteorder: Optional[str]  # the "byteorder" record, None where absent (torch reads little)
+
+    @property
+    def why_not_range_readable(self) -> Optional[str]:
+        """None when every storage record can be read in place, else why not."""
+        for rec in self.records.values():
+            if rec.name.startswith("data/") and not rec.stored:
+                return f"record {self.folder}/{rec.name} is compressed ({_METHODS.get(rec.method)})"
+        if self.byteorder == "big":
+            return "tensors are stored big-endian"
+        return None
+
+
+def _bad_zip(path: str, what: str) -> CheckpointLayoutError:
+    return CheckpointLayoutError(
+        f"{path}: not a readable torch zip archive: {what}. Copy the file again from its source; if it "
+        "was re-packed by a tool, re-create it with torch.save (or Python's zipfile, uncompressed).")
+
+
+def _pread_exact(fd: int, offset: int, n: int, path: str, what: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise _bad_zip(path, f"{what} at byte {offset} runs past the end of the file")
+    return data
+
+
+def _central_directory(fd: int, size: int, path: str) -> tuple:
+    """(entries, start of the central directory): each entry (name, flags, method,
+    compressed size, size, local header offset), ZIP64 fields resolved."""
+    tail_len = min(size, _EOCD.size + _U16)
+    tail = _pread_exact(fd, size - tail_len, tail_len, path, "the end of the archive")
+    pos = tail.rfind(b"PK\x05\x06")
+    while pos >= 0 and (len(tail) - pos < _EOCD.size
+                        or pos + _EOCD.size + _EOCD.unpack_from(tail, pos)[-1] != len(tail)):
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    if pos < 0:
+        raise _bad_zip(path, "no end-of-central-directory record at the end of the file (truncated?)")
+    eocd_at = size - tail_len + pos
+    _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, pos)
+    limit = eocd_at  # the central directory ends before this
+    loc_at = eocd_at - _EOCD64_LOCATOR.size
+    if loc_at >= 0:
+        loc = _pread_exact(fd, loc_at, _EOCD64_LOCATOR.size, path, "the ZIP64 locator")
+        if loc[:4] == b"PK\x06\x07":
+            _, _, eocd64_at, _ = _EOCD64_LOCATOR.unpack(loc)
+            rec = _pread_exact(fd, eocd64_at, _EOCD64.size, path, "the ZIP64 end record")
+            if rec[:4] != b"PK\x06\x06":
+                raise _bad_zip(path, f"the ZIP64 locator points at byte {eocd64_at}, which holds no ZIP64 end record")
+            _, _, _, _, disk, cd_disk, _, count, cd_size, cd_offset = _EOCD64.unpack(rec)
+            limit = eocd64_at
+    if disk != 0 or cd_disk != 0:
+        raise _bad_zip(path, "it is a multi-volume (split) archive")
+    if cd_offset + cd_size > limit:
+        raise _bad_zip(path, f"its central directory (bytes {cd_offset}..{cd_offset + cd_size}) overlaps its end record")
+    cd = _pread_exact(fd, cd_offset, cd_size, path, "the central directory")
+    entries, p = [], 0
+    for _ in range(count):
+        if p + _CENTRAL.size > len(cd) or cd[p:p + 4] != b"PK\x01\x02":
+            raise _bad_zip(path, f"central directory entry at byte {cd_offset + p} is damaged")
+        (_, _, _, _, _, flags, method, _, _, _, csize, usize, nlen, xlen, clen, _, _, _,
+         hoff) = _CENTRAL.unpack_from(cd, p)
+        raw = cd[p + _CENTRAL.size: p + _CENTRAL.size + nlen]
+        extra = cd[p + _CENTRAL.size + nlen: p + _CENTRAL.size + nlen + xlen]
+        p += _CENTRAL.size + nlen + xlen + clen
+        if _U32 in (usize, csize, hoff):  # the real values are in the ZIP64 extra field, in this order
+            x = 0
+            while x + 4 <= len(extra):
+                tag, ln = struct.unpack_from("<HH", extra, x)
+                if tag == 1:
+                    vals = list(struct.unpack_from(f"<{ln // 8}Q", extra, x + 4))
+                    if usize == _U32 and vals:
+                        usize = vals.pop(0)
+                    if csize == _U32 and vals:
+                        csize = vals.pop(0)
+                    if hoff == _U32 and vals:
+                        hoff = vals.pop(0)
+                    break
+                x += 4 + ln
+        name = raw.decode("utf-8" if flags & 0x800 else "cp437", errors="replace")
+        entries.append((name, flags, method, csize, usize, hoff))
+    return entries, cd_offset
+
+
+def _parse_zip(path: str) -> ZipIndex:
+    """The archive's records as a zip reader (and so torch.load) reads them; raises
+    CheckpointLayoutError on anything torch could not read or could read two ways."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        entries, cd_offset = _central_directory(fd, size, path)
+        if not entries:
+            raise _bad_zip(path, "the archive holds no records")
+        # torch looks every record up under the folder of the archive's first entry.
+        folder = entries[0][0].split("/", 1)[0]
+        prefix = folder + "/"
+        records: dict = {}
+        for name, flags, method, csize, usize, hoff in entries:
+            if not name.startswith(prefix):
+                continue
+            short = name[len(prefix):]
+            if short in records:
+                raise CheckpointLayoutError(
+                    f"{path}: the archive holds two records named {name}; which one a reader takes is "
+                    "undefined. Re-create the file with torch.save.")
+            if flags & 0x1:
+                raise CheckpointLayoutError(f"{path}: record {name} is encrypted; torch cannot read it.")
+            if method not in _METHODS:
+                raise CheckpointLayoutError(
+                    f"{path}: record {name} is compressed with zip method {method} "
+                    f"({_METHOD_NAMES.get(method, 'unknown')}), which torch.load cannot read either. "
+                    "Re-store the archive uncompressed (zip -0, or Python zipfile with ZIP_STORED).")
+            local = _pread_exact(fd, hoff, _LOCAL.size, path, f"the local header of {name}")
+            if local[:4] != b"PK\x03\x04":
+                raise _bad_zip(path, f"the central directory places {name} at byte {hoff}, "
+                                     "which holds no local file header")
+            lnlen, lxlen = _LOCAL.unpack(local)[-2:]
+            data = hoff + _LOCAL.size + lnlen + lxlen
+            if data + csize > cd_offset:
+                raise _bad_zip(path, f"record {name} (bytes {data}..{data + csize}) runs into the central "
+                                     f"directory at byte {cd_offset}")
+            records[short] = ZipRecord(short, hoff, data, usize, csize, method)
+        # Records must not share bytes: one record's data read as another's is the failure
+        # this whole check exists to prevent.
+        spans = sorted(records.values(), key=lambda r: r.header_offset)
+        for a, b in zip(spans, spans[1:]):
+            if a.data_offset + a.compressed_size > b.header_offset:
+                raise _bad_zip(path, f"records {prefix}{a.name} and {prefix}{b.name} overlap")
+        byteorder = None
+        if "byteorder" in records:
+            byteorder = _record_bytes(fd, records["byteorder"], path).decode("ascii", "replace").strip()
+        return ZipIndex(path, folder, records, byteorder)
+    finally:
+        os.close(fd)
+
+
+def _record_bytes(fd: int, rec: ZipRecord, path: str) -> bytes:
+    raw = _pread_exact(fd, rec.data_offset, rec.compressed_size, path, f"record {rec.name}")
+    if rec.method == 8:
+        try:
+            raw = zlib.decompress(raw, -15)
+        except zlib.error as e:
+            raise _bad_zip(path, f"record {rec.name} does not inflate ({e})") from None
+    if len(raw) != rec.size:
+        raise _bad_zip(path, f"record {rec.name} holds {len(raw)} bytes, its directory entry says {rec.size}")
+    return raw
+
+
 @functools.lru_cache(maxsize=4096)
-def _zip_range_readable(key: tuple) -> Optional[str]:
-    """None if every tensor record of the zip archive is stored uncompressed and little-
-    endian (so its bytes can be read in place), else why not. torch.load reads both other
-    cases fine, so such a file is read whole instead."""
-    with zipfile.ZipFile(key[0]) as z:
-        for info in z.infolist():
-            if "/data/" in info.filename and info.compress_type != zipfile.ZIP_STORED:
-                return f"record {info.filename} is compressed"
-            if info.filename.endswith("/byteorder") and z.read(info.filename).strip() == b"big":
-                return "tensors are stored big-endian"
-    return None
+def _zip_index(key: tuple) -> ZipIndex:
+    try:
+        return _parse_zip(key[0])
+    except OSError as e:
+        raise CheckpointLayoutError(f"{key[0]}: cannot read the file ({e.strerror or e}).") from e
+
+
+# --------------------------------------------------------------------------- the pickle's storages
+@dataclass(frozen=True)
+class _StorageRef:
+    """One storage the pickle refers to (torch's persistent id), in first-use order."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _storage_dtype(cls: Any) -> Optional[torch.dtype]:
+    if not (isinstance(cls, tuple) and len(cls) == 3 and cls[0] == "global" and cls[1] == "torch"):
+        return None
+    return _storage_class_dtype(cls[2])
+
+
+@functools.lru_cache(maxsize=None)
+def _storage_class_dtype(name: str) -> Optional[torch.dtype]:
+    """torch.FloatStorage -> torch.float32 (the names torch.save writes in a persistent id)."""
+    if name == "UntypedStorage":
+        return torch.uint8
+    if not name.endswith("Storage"):
+        return None
+    with warnings.catch_warnings():  # the typed storage classes are deprecated, not their names
+        warnings.simplefilter("ignore")
+        dtype = getattr(getattr(torch, name, None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+_MARK = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _stack_effect(op: pickletools.OpcodeInfo) -> tuple:
+    """(pops to a mark, items popped (below the mark when it does), items pushed)."""
+    before = op.stack_before
+    if pickletools.markobject in before:
+        return True, before.index(pickletools.markobject), len(op.stack_after)
+    return False, len(before), len(op.stack_after)
+
+
+def _storage_refs(data: bytes, path: str) -> list:
+    """The storages a torch pickle refers to, read from its opcodes without running any of
+    it: a stack machine that tracks only strings, ints, globals, tuples and the memo, and
+    stands a placeholder in for everything else (stack effects from pickletools)."""
+    stack: list = []
+    memo: dict = {}
+    refs: dict = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name == "MARK":
+                stack.append(_MARK)
+            elif name in ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
+                          "BINSTRING", "SHORT_BINSTRING", "INT", "BININT", "BININT1", "BININT2",
+                          "LONG", "LONG1", "LONG4"):
+                stack.append(arg)
+            elif name == "GLOBAL":
+                stack.append(("global",) + tuple(arg.split(" ", 1)))
+            elif name == "STACK_GLOBAL":
+                attr, mod = stack.pop(), stack.pop()
+                stack.append(("global", mod, attr))
+            elif name == "TUPLE":
+                i = len(stack) - 1 - stack[::-1].index(_MARK)
+                items = tuple(stack[i + 1:])
+                del stack[i:]
+                stack.append(items)
+            elif name in ("EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
+                n = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}[name]
+                items = tuple(stack[len(stack) - n:])
+                del stack[len(stack) - n:]
+                stack.append(items)
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name == "DUP":
+                stack.append(stack[-1])
+            elif name == "BINPERSID":
+                pid = stack.pop()
+                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                    raise ValueError(f"unexpected persistent id {pid!r}")
+                _, cls, key, _, numel = pid
+                dtype = _storage_dtype(cls)
+                if dtype is None or not isinstance(numel, int) or not isinstance(key, str):
+                    raise ValueError(f"unexpected storage reference {pid!r}")
+                ref = _StorageRef(key, dtype, numel)
+                if refs.setdefault(key, ref) != ref:
+                    raise ValueError(f"storage {key} is referred to as {refs[key]} and as {ref}")
+                stack.append(None)
+            else:  # the generic stack effect, as pickletools.dis computes it
+                to_mark, npop, npush = _stack_effect(op)
+                if to_mark or (name == "POP" and stack and stack[-1] is _MARK):
+                    i = len(stack) - 1 - stack[::-1].index(_MARK)
+                    del stack[i:]
+                    npop = npop if to_mark else 0
+                if npop:
+                    del stack[len(stack) - npop:]
+                stack.extend([None] * npush)
+    except (ValueError, IndexError, KeyError) as e:
+        raise CheckpointLayoutError(
+            f"{path}: cannot list the tensor storages its pickle refers to ({e}); the pickle is not "
+            "one torch.save writes. Re-save the checkpoint with torch.save.") from None
+    return list(refs.values())
+
+
+# --------------------------------------------------------------------------- the header's tensors
+def _walk_tensors(obj: Any, path: tuple = (), seen: Optional[set] = None):
+    """(dotted name, tensor or storage) for every tensor in dicts, lists, tuples and Namespaces."""
+    if seen is None:
+        seen = set()
+    if isinstance(obj, torch.Tensor):
+        yield ".".join(path), obj
+        return
+    if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+        yield ".".join(path), obj
+        return
+    if isinstance(obj, (dict, list, tuple, argparse.Namespace)) or isinstance(obj, collections.abc.Mapping):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, argparse.Namespace):
+            items = vars(obj).items()
+        elif isinstance(obj, collections.abc.Mapping):
+            items = obj.items()
+        else:
+            items = enumerate(obj)
+        for k, v in items:
+            yield from _walk_tensors(v, path + (str(k),), seen)
+
+
+def _untyped(x: Any) -> torch.UntypedStorage:
+    if isinstance(x, torch.Tensor):
+        return x.untyped_storage()
+    if isinstance(x, torch.TypedStorage):
+        return x._untyped_storage
+    return x
+
+
+def _storage_keys(found: list, refs: list, index: ZipIndex) -> Optional[dict]:
+    """id(untyped storage) -> the key of its record, or None where the header cannot tell.
+
+    torch marks each meta storage with ``_checkpoint_offset`` only: the record's true data
+    offset (torch before 2.4, or a file without ``.format_version``), or one computed in
+    first-use order, strictly increasing (torch 2.4 and later). Both readings are tried;
+    one is used only when it is consistent (every storage matched, sizes agree) and the
+    other, if also consistent, agrees with it.
+    """
+    by_offset: dict = {}
+    for _, t in found:
+        s = _untyped(t)
+        off = getattr(s, "_checkpoint_offset", None)
+        if off is None:
+            return None
+        by_offset.setdefault(int(off), []).append(s)
+    nbytes = {ref.key: ref.nbytes for ref in refs}
+
+    def consistent(mapping: dict) -> bool:
+        return all(all(s.nbytes() == nbytes.get(key, -1) for s in by_offset[off]) for off, key in mapping.items())
+
+    data_at = {rec.data_offset: rec.name[len("data/"):] for rec in index.records.values()
+               if rec.name.startswith("data/")}
+    true = {off: data_at[off] for off in by_offset if off in data_at}
+    true = true if len(true) == len(by_offset) and consistent(true) else None
+    ranked = None
+    if len(by_offset) == len(refs):
+        ranked = dict(zip(sorted(by_offset), (ref.key for ref in refs)))
+        first = index.records.get("data/" + refs[0].key) if refs else None
+        if not consistent(ranked) or (first is not None and min(by_offset) != first.data_offset):
+            ranked = None
+    mapping = true if ranked is None else ranked if true is None else (true if true == ranked else None)
+    if mapping is None:
+        return None
+    return {id(s): key for off, key in mapping.items() for s in by_offset[off]}
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} stride {tuple(t.stride())} at storage offset {t.storage_offset()}"
+
+
+def _check_bounds(path: str, found: list) -> None:
+    """Every tensor lies inside its storage (torch.load refuses otherwise: 'Trying to
+    resize storage that is not resizable'); checked on meta, before anything is allocated."""
+    for name, t in found:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        if any(st < 0 for st in t.stride()) or t.storage_offset() < 0:
+            raise CheckpointLayoutError(f"{path}: tensor {name}: {_fmt_shape(t)}: negative strides or offsets "
+                                        "cannot come from torch.save. The file's header was edited or is damaged.")
+        last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        have = t.untyped_storage().nbytes() // t.element_size()
+        if last >= have:
+            raise CheckpointLayoutError(
+                f"{path}: tensor {name}: {_fmt_shape(t)} reaches element {last + 1} of a storage of "
+                f"{have} {str(t.dtype).replace('torch.', '')} elements; torch.load refuses this file too "
+                "('Trying to resize storage that is not resizable'). The file's header was edited or is "
+                "damaged: copy it again from its source.")
+
+
+def _check_zip(path: str, obj: Any, index: ZipIndex, data_pkl: bytes) -> None:
+    """Check every storage the pickle names against its record and attach the verified data
+    offsets that :func:`storage_byte_offset` returns."""
+    refs = _storage_refs(data_pkl, path)
+    found = list(_walk_tensors(obj))
+    keys = _storage_keys(found, refs, index)
+    named: dict = {}
+    if keys is not None:
+        for name, t in found:
+            named.setdefault(keys[id(_untyped(t))], name)
+    for ref in refs:
+        what = f"tensor {named[ref.key]}" if ref.key in named else f"a tensor stored as {index.folder}/data/{ref.key}"
+        rec = index.records.get("data/" + ref.key)
+        if rec is None:
+            raise CheckpointLayoutError(
+                f"{path}: {what}: the pickle refers to record {index.folder}/data/{ref.key}, which the archive "
+                "does not hold. The file is incomplete or was re-packed wrongly: copy it again from its source.")
+        if rec.size != ref.nbytes:
+            raise CheckpointLayoutError(
+                f"{path}: {what}: its storage record {index.folder}/data/{ref.key} holds {rec.size} bytes, but "
+                f"the header declares {ref.numel} {str(ref.dtype).replace('torch.', '')} elements "
+                f"({ref.nbytes} bytes); torch.load refuses it too ('record size ... does not match expected "
+                "size'). The file is damaged or was edited: copy it again from its source.")
+    _check_bounds(path, found)
+    in_place = index.why_not_range_readable is None
+    for _, t in found:
+        s = _untyped(t)
+        key = None if keys is None else keys.get(id(s))
+        # None: this file's tensors are read through torch.load (which reads the true offsets)
+        s._oneload_offset = index.records["data/" + key].data_offset if in_place and key is not None else None
 
 
 def range_readable(path: str) -> bool:
-    """(local) Whether tensors of this torch file can be read in place (see RangeReader)."""
+    """(local) Whether tensors of this torch file can be read in place (see RangeReader):
+    a zip whose storage records are all stored uncompressed and little-endian."""
     try:
-        return _file_kind(path) == "zip" and _zip_range_readable(_stat_key(path)) is None
-    except (OSError, zipfile.BadZipFile):
+        return _file_kind(path) == "zip" and _zip_index(_stat_key(path)).why_not_range_readable is None
+    except (OSError, CheckpointLayoutError):
         return False
 
 
@@ -222,17 +658,41 @@ def _stat_key(path: str) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_header(key: tuple, trust_pickle: bool) -> Any:
-    return _torch_load(key[0], trust_pickle=trust_pickle, map_location="meta")
+    path = key[0]
+    kind = _file_kind(path)
+    index = None
+    if kind == "zip":  # the archive first: its errors are clearer than torch's
+        index = _zip_index(key)
+        pkl = index.records.get("data.pkl")
+        if pkl is None:
+            raise _bad_zip(path, f"it holds no {index.folder}/data.pkl record (the pickle torch.load reads)")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data_pkl = _record_bytes(fd, pkl, path)
+        finally:
+            os.close(fd)
+    obj = _torch_load(path, trust_pickle=trust_pickle, map_location="meta")
+    if index is not None:
+        _check_zip(path, obj, index, data_pkl)
+    else:  # legacy: read whole by torch.load, which checks its own sizes; the shapes still here
+        _check_bounds(path, list(_walk_tensors(obj)))
+    return obj
 
 
 def read_header(path: str, *, trust_pickle: bool = False) -> Any:
     """(any rank, local) The file's pickled object with every tensor on ``meta``.
 
-    Reads the pickle only, never tensor data; cached per (path, size, mtime). Each meta
-    tensor's storage remembers where its bytes start (:func:`storage_byte_offset`).
+    Reads the pickle, the zip's central directory and one local header per record, never
+    tensor data; cached per (path, size, mtime). Checks what ``torch.load`` checks when it
+    reads the data: every storage the pickle names has its record, of exactly the storage's
+    size, and every tensor's shape, stride and offset lie inside its storage. Each meta
+    tensor's storage remembers where its record's bytes start in the file, as found through
+    the record's own local header (:func:`storage_byte_offset`).
 
     Raises:
-        CheckpointLayoutError: the file is missing, empty, truncated or not a checkpoint.
+        CheckpointLayoutError: the file is missing, empty, truncated or not a checkpoint; a
+            record is missing, compressed in a way torch cannot read, or of the wrong size; a
+            tensor reaches past its storage. The message names the file and the tensor.
         UnsafeCheckpointError: the pickle needs a class outside the allowlist.
     """
     try:
@@ -245,15 +705,19 @@ def read_header(path: str, *, trust_pickle: bool = False) -> Any:
 def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True) -> Any:
     """(any rank, local) ``torch.load`` of the whole file onto CPU, memory-mapped where the
     format allows (pages are read only when touched), through the same allowlist."""
+    # The header's checks first: a memory-mapped torch.load takes each record's bytes
+    # without comparing its size to the storage's.
+    read_header(path, trust_pickle=trust_pickle)
     # A compressed or big-endian zip cannot be memory-mapped; torch reads it whole.
     mmap = mmap and (_file_kind(path) != "zip" or range_readable(path))
     return _torch_load(path, trust_pickle=trust_pickle, map_location="cpu", mmap=mmap)
 
 
 def storage_byte_offset(meta_tensor: torch.Tensor) -> Optional[int]:
-    """Byte offset in its file of a tensor from :func:`read_header`, or None when torch
-    could not tell (then the tensor is read through :func:`load_object`)."""
-    base = getattr(meta_tensor.untyped_storage(), "_checkpoint_offset", None)
+    """Byte offset in its file of a tensor from :func:`read_header`, or None when it cannot
+    be read in place (then the tensor is read through :func:`load_object`). The offset is the
+    one :func:`read_header` verified against the archive, never torch's computed guess."""
+    base = getattr(meta_tensor.untyped_storage(), "_oneload_offset", None)
     if base is None:
         return None
     return int(base) + meta_tensor.storage_offset() * meta_tensor.element_size()
