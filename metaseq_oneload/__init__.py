@@ -36,7 +36,7 @@ from ._errors import (
 )
 
 _LAZY = {
-    "inspect": ("._layout", "discover"),
+    "inspect": (".formats", "discover"),
     "CheckpointLayout": ("._layout", "CheckpointLayout"),
     "load_state_dict": ("._loading", "load_state_dict"),
     "load_checkpoint": ("._loading", "load_checkpoint"),
@@ -91,7 +91,7 @@ if typing.TYPE_CHECKING:  # what _LAZY loads at run time, spelled out for mypy a
     from ._hydra import (CheckpointSettingsError, OneloadConfig, checkpoint_settings, compose_oneload,
                          extend_schema, fill_settings, register_configs, register_resolver)
     from ._layout import CheckpointLayout
-    from ._layout import discover as inspect
+    from .formats import discover as inspect
     from ._loading import LoadedCheckpoint, LoadReport, load_checkpoint, load_into, load_state_dict
     from ._startup import activate
     from ._verify import TensorDiff, VerifyReport, verify

@@ -48,7 +48,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ._errors import OneloadError, StateDictMismatchError
-from ._layout import CheckpointLayout, FileName, discover
+from ._layout import CheckpointLayout, FileName
+from .formats import discover
 from ._loading import _fill
 from ._optim import (OptimizerPlan, carry_extra_state, flat_pieces, plan_optimizer, rank_state, rest_source,
                      same_weights_layout, state_of)

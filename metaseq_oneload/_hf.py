@@ -94,7 +94,7 @@ def _read_json(path: str) -> Optional[dict]:
 
 def _read_source(name_or_path: str, need_config: bool, hub_kwargs, trust_pickle: bool) -> _Source:
     """(coordinator, local) The folder, its config and its tensor names (headers only)."""
-    from ._layout import discover
+    from .formats import discover
 
     path = _resolve(name_or_path, hub_kwargs)
     layout = discover(path, trust_pickle=trust_pickle)

@@ -44,7 +44,9 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from ._errors import ConversionError, OneloadError, OutputExistsError, UnsupportedArchitectureError
-from ._layout import CheckpointLayout, _scan, discover
+from ._layout import CheckpointLayout
+from .formats import discover
+from .formats._torchsave import _scan
 from ._loading import _fill
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader

@@ -290,7 +290,7 @@ def checkpoint_path(cfg: Any, path: Optional[str] = None) -> Optional[str]:
     ``checkpoint.restore_file`` (the default ``checkpoint_last.pt`` is looked for in
     ``checkpoint.save_dir``), else ``checkpoint.finetune_from_model`` when there is nothing
     to restore. None when there is no checkpoint yet (a first launch)."""
-    from ._layout import discover
+    from .formats import discover
 
     def exists(p: str) -> bool:
         try:
@@ -335,7 +335,7 @@ def _dir_stamp(path: str) -> int:
 
 
 def _settings_for(path: str) -> Dict[str, Any]:
-    from ._layout import discover
+    from .formats import discover
 
     key = (os.path.abspath(path), _dir_stamp(path))
     with _CACHE_LOCK:

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from ._dist import Group, PeerFailure, first_failure, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
-from ._layout import CheckpointLayout, StoredTensor, discover
+from ._layout import CheckpointLayout, StoredTensor
+from .formats import discover
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
 from ._reading import RangeReader
 

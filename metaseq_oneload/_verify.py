@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._layout import discover
+from .formats import discover
 from ._loading import _fill
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader

@@ -1,4 +1,4 @@
-"""What is on disk, for Hugging Face model folders.
+"""Hugging Face model folders.
 
 ``model.safetensors``, ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``,
 ``pytorch_model.bin`` and its sharded ``.bin.index.json`` variant all describe ONE state dict
@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Optional
 
 import torch
 
-from ._errors import CheckpointLayoutError, CheckpointNotFoundError
+from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list
+from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, ModelPart, StoredTensor
+from .._reading import Extent, read_header
+from ._torchsave import _direct_extent, _format, _model_dict
 
-__all__ = ["is_hf_path", "discover_hf"]
+NAME = "huggingface"
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -42,8 +44,9 @@ def _hf_files_in(folder: str) -> list:
     return [n for n in _INDEXES + _SINGLES if n in names]
 
 
-def is_hf_path(path: str) -> bool:
-    """True for a Hugging Face folder or one of its weight files / indexes."""
+def detect(path: str) -> bool:
+    """A Hugging Face folder (weights beside no ``.pt`` files) or one of its weight files /
+    indexes."""
     if os.path.isdir(path):
         return bool(_hf_files_in(path)) and not any(n.endswith(".pt") for n in os.listdir(path))
     return path.endswith((".safetensors", ".bin", ".index.json"))
@@ -95,7 +98,7 @@ def _weight_files(path: str) -> tuple:
         missing = [n for n in files if not os.path.exists(os.path.join(folder, n))]
         if missing:
             raise CheckpointLayoutError(
-                f"{path}: the index lists {len(files)} files but {', '.join(missing)} "
+                f"{path}: the index lists {len(files)} files but {cap_list(missing)} "
                 f"{'is' if len(missing) == 1 else 'are'} missing. Download the complete set.")
         return folder, [os.path.join(folder, n) for n in files], {k: os.path.join(folder, v) for k, v in weight_map.items()}
     # A single shard file of an indexed set: use the index beside it.
@@ -107,12 +110,8 @@ def _weight_files(path: str) -> tuple:
     return folder, [os.path.abspath(path)], None
 
 
-def discover_hf(path: str, *, trust_pickle: bool = False):
+def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     """(any rank, local) The one-part layout of a Hugging Face folder or weight file."""
-    from ._layout import (CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, ModelPart, StoredTensor,
-                          _direct_extent, _format, _model_dict)
-    from ._reading import Extent, read_header
-
     folder, files, weight_map = _weight_files(os.fspath(path))
     tensors: dict = {}
     for p in files:
@@ -160,13 +159,17 @@ def discover_hf(path: str, *, trust_pickle: bool = False):
         num_updates=None,
         flavor="huggingface",
         warnings=(),
+        config=_config(folder),
     )
 
 
-def hf_config(layout) -> Optional[dict]:
-    """The folder's config.json, if any."""
-    p = os.path.join(layout.directory, "config.json")
+def _config(folder: str) -> dict:
+    """The folder's config.json ({} where there is none)."""
+    p = os.path.join(folder, "config.json")
     if not os.path.exists(p):
-        return None
-    with open(p) as f:
-        return json.load(f)
+        return {}
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointLayoutError(f"{p}: cannot read the model's config.json ({e}).") from e

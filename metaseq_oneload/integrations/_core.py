@@ -29,7 +29,7 @@ from .. import _reading
 from .._dist import Group, settle
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
 from .._hydra import OneloadConfig, checkpoint_path, fill_settings, to_config
-from .._layout import discover
+from ..formats import discover
 from .._loading import load_checkpoint
 from .._optim import materialize, plan_optimizer, rest_source, same_weights_layout
 from .._plan import FlatStructure, flat_shard_range, plan_part, qkv_naming

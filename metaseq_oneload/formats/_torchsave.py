@@ -1,0 +1,686 @@
+"""The machinery every ``torch.save`` family shares: the ``.pt`` file-name grammar's sets,
+pointers and links, the pickled headers, and model parts built from their tensors.
+
+The family modules (:mod:`.metaseq`, :mod:`.plain`) add what only they know (what a
+``cfg`` means, which writer a file came from); nothing here interprets a ``cfg``.
+
+The tensors are believed first: a part is flat only when its files hold the flat parameters
+their ``shard_metadata``/``fsdp_metadata`` lists; unflattened weights that still carry the
+metadata of the FSDP run they came from (metaseq's ``reshard_fsdp --unflatten-weights``, the
+OPT release layout) are unflattened weights, and the metadata is reported as stale.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list as _cap
+from .._layout import CheckpointFile, FileName, FlatParam, ModelPart, StoredTensor
+from .._reading import Extent, _file_kind, key_path, range_readable, read_header, storage_byte_offset
+
+_POINTER_MAX_BYTES = 4096
+_MAX_POINTER_HOPS = 40
+# Buffers that metaseq/fairseq models register; everything else in an unflattened state
+# dict is a parameter as far as the parameter count is concerned.
+_BUFFER_SUFFIXES = (".version", "._float_tensor")
+# Where torch.save'd training checkpoints keep the model's state dict: metaseq/fairseq
+# ("model"), Lightning ("state_dict"), the PyTorch tutorials ("model_state_dict"), DeepSpeed
+# ("module"). A bare state dict is its own container.
+_CONTAINERS = ("model", "state_dict", "model_state_dict", "module")
+
+
+# --------------------------------------------------------------------------- pointers
+
+
+def _read_pointer(path: str) -> Optional[str]:
+    """The target name if ``path`` is a tiny text file holding a checkpoint file name (how
+    a symlink looks after a copy that does not keep links, e.g. a git checkout)."""
+    try:
+        if os.path.getsize(path) > _POINTER_MAX_BYTES:
+            return None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not text or "\n" in text or not text.endswith(".pt") or "\x00" in text:
+        return None
+    return text
+
+
+def _resolve(path: str) -> str:
+    """Follow symlinks and text pointers to the real file; raise on loops and dangling
+    links."""
+    chain = [path]
+    current = path
+    for _ in range(_MAX_POINTER_HOPS):
+        try:
+            real = os.path.realpath(current, strict=True)
+        except OSError as e:
+            if os.path.islink(current) and ("loop" in str(e).lower() or getattr(e, "errno", None) == 40):
+                raise CheckpointLayoutError(
+                    f"{path}: symlink loop ({' -> '.join(chain)} -> ...); point the link at a real "
+                    "checkpoint file."
+                ) from None
+            if os.path.lexists(current) or len(chain) > 1:
+                raise CheckpointLayoutError(
+                    f"{path}: dangling link: {' -> '.join(chain)} does not exist. Re-create the link "
+                    "or pass the checkpoint's real file name."
+                ) from None
+            raise CheckpointNotFoundError(f"{path}: no such file.") from None
+        if os.path.isdir(real):
+            return real
+        target = _read_pointer(real)
+        if target is None:
+            return real
+        nxt = os.path.join(os.path.dirname(real), target)
+        if os.path.realpath(nxt) in {os.path.realpath(c) for c in chain}:
+            raise CheckpointLayoutError(
+                f"{path}: link loop ({' -> '.join(chain + [nxt])}); point the link at a real "
+                "checkpoint file."
+            )
+        chain.append(nxt)
+        current = nxt
+    raise CheckpointLayoutError(f"{path}: more than {_MAX_POINTER_HOPS} links deep ({' -> '.join(chain[:5])} ...).")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One *.pt entry of a folder: its own name, and the real file it resolves to."""
+
+    name: str
+    parsed: FileName
+    real: str
+
+    @property
+    def real_name(self) -> Optional[FileName]:
+        return FileName.parse(os.path.basename(self.real))
+
+    @property
+    def set_key(self) -> tuple:
+        rn = self.real_name
+        return (os.path.dirname(self.real), rn.prefix if rn else os.path.basename(self.real))
+
+
+def _scan(directory: str) -> list:
+    """The folder's *.pt entries, resolved. A broken link is skipped here: if it belonged
+    to the set the user asked for, the grid check names the missing file instead."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise CheckpointLayoutError(f"{directory}: cannot list the folder ({e.strerror or e}).") from e
+    entries = []
+    for n in names:
+        parsed = FileName.parse(n)
+        full = os.path.join(directory, n)
+        if parsed is None or os.path.isdir(full):
+            continue
+        try:
+            entries.append(_Entry(n, parsed, _resolve(full)))
+        except CheckpointLayoutError:
+            continue
+    return entries
+
+
+# --------------------------------------------------------------------------- sets
+
+
+@dataclass(frozen=True)
+class _FileSet:
+    directory: str
+    prefix: str
+    members: tuple  # real paths
+    aliases: tuple  # entry names pointing into the set that are not its real names
+
+
+def _set_from(key: tuple, entries: Iterable) -> _FileSet:
+    directory, prefix = key
+    members, aliases = set(), set()
+    for e in entries:
+        if e.set_key != key:
+            continue
+        members.add(e.real)
+        if os.path.join(directory, e.name) != e.real:
+            aliases.add(e.name)
+    # Real files of the set that no scanned entry named (e.g. the entry was a link from
+    # another folder): take them from the target folder itself.
+    if directory:
+        for e in _scan(directory):
+            if e.set_key == key:
+                members.add(e.real)
+                if os.path.join(directory, e.name) != e.real:
+                    aliases.add(e.name)
+    return _FileSet(directory, prefix, tuple(sorted(members)), tuple(sorted(aliases)))
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    try:
+        obj = read_header(path)
+    except CheckpointLayoutError:
+        return False
+    return _model_dict(obj) is not None
+
+
+def _describe_sets(sets: Sequence[_FileSet]) -> str:
+    return ", ".join(f"{s.prefix} ({len(s.members)} file{'s' * (len(s.members) != 1)})" for s in sets)
+
+
+def _resolve_set(path: str) -> _FileSet:
+    path = os.fspath(path)
+    if glob.has_magic(path):
+        matches = [m for m in sorted(glob.glob(path)) if not os.path.isdir(m)]
+        if not matches:
+            raise CheckpointNotFoundError(f"{path}: the pattern matches no files.")
+        entries = [_Entry(os.path.basename(m), FileName.parse(os.path.basename(m)) or FileName(m), _resolve(m))
+                   for m in matches]
+        keys = sorted({e.set_key for e in entries})
+        if len(keys) > 1:
+            raise CheckpointLayoutError(
+                f"{path}: the pattern matches files of {len(keys)} different checkpoints "
+                f"({', '.join(os.path.join(*k) for k in keys)}); narrow it to one."
+            )
+        return _set_from(keys[0], entries)
+
+    if os.path.isdir(path):
+        entries = _scan(path)
+        if not entries:
+            # Not "damaged": an empty folder is what a rank sees where a mount is missing.
+            raise CheckpointNotFoundError(
+                f"{path}: the folder holds no *.pt files; expected a checkpoint such as "
+                "checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
+            )
+        by_key: dict = {}
+        for e in entries:
+            by_key.setdefault(e.set_key, []).append(e)
+        last = [e for e in entries if e.parsed.prefix == "checkpoint_last"]
+        if last:
+            keys = sorted({e.set_key for e in last})
+            if len(keys) > 1:
+                raise CheckpointLayoutError(
+                    f"{path}: the checkpoint_last files point to {len(keys)} different checkpoints "
+                    f"({', '.join(k[1] for k in keys)}); fix the links."
+                )
+            return _set_from(keys[0], entries)
+        sets = [_set_from(k, v) for k, v in sorted(by_key.items())]
+        if len(sets) > 1:
+            sets = [s for s in sets if _looks_like_checkpoint(s.members[0])] or sets
+        if len(sets) == 1:
+            return sets[0]
+        raise CheckpointLayoutError(
+            f"{path}: the folder holds {len(sets)} checkpoints and no checkpoint_last: "
+            f"{_describe_sets(sets)}. Choose one by passing its name, e.g. "
+            f"{os.path.join(path, sets[-1].prefix + '.pt')}."
+        )
+
+    if os.path.lexists(path):
+        real = _resolve(path)
+        if os.path.isdir(real):
+            return _resolve_set(real)
+        entry = _Entry(os.path.basename(path), FileName.parse(os.path.basename(path)) or FileName(path), real)
+        if entry.real_name is None:
+            raise CheckpointLayoutError(
+                f"{path}: not a checkpoint file name: expected a name ending in .pt "
+                "(X.pt, X-model_part-M.pt, X-model_part-M-shardD.pt, X-shardD.pt, X_partK.pt)."
+            )
+        return _set_from(entry.set_key, [entry])
+
+    # The un-suffixed name metaseq scripts take: X.pt where only X-model_part-*.pt,
+    # X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt).
+    directory, base = os.path.split(path)
+    directory = directory or "."
+    if not base.endswith(".pt") or not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"{path}: no such file or folder.")
+    stem = base[:-3]
+    entries = [e for e in _scan(directory) if e.parsed.prefix == stem]
+    if not entries:
+        raise CheckpointNotFoundError(
+            f"{path}: no such file, and no {stem}-model_part-*.pt, {stem}-shard*.pt or {stem}_part*.pt "
+            f"beside it in {os.path.abspath(directory)}. Pass an existing file or the folder."
+        )
+    keys = sorted({e.set_key for e in entries})
+    if len(keys) > 1:
+        raise CheckpointLayoutError(
+            f"{path}: the files named {stem}-* point to {len(keys)} different checkpoints "
+            f"({', '.join(k[1] for k in keys)}); fix the links or pass one file."
+        )
+    return _set_from(keys[0], entries)
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def _container(obj: Any) -> Optional[str]:
+    """The key under which ``obj`` keeps its model state dict, "" for a bare state dict, or
+    None if it holds none."""
+    if not isinstance(obj, Mapping):
+        return None
+    for key in _CONTAINERS:
+        model = obj.get(key)
+        if isinstance(model, Mapping) and model and all(isinstance(k, str) for k in model) \
+                and all(torch.is_tensor(v) for v in model.values()):
+            return key
+    if obj and all(isinstance(k, str) for k in obj) and all(torch.is_tensor(v) for v in obj.values()):
+        return ""  # a bare state dict (plain PyTorch)
+    return None
+
+
+def _model_dict(obj: Any) -> Optional[Mapping]:
+    """The model state dict inside a checkpoint object, or None if it has none."""
+    key = _container(obj)
+    if key is None:
+        return None
+    return obj[key] if key else obj
+
+def _model_key(obj: Mapping, name: str) -> str:
+    key = _container(obj)
+    return key_path(key, name) if key else key_path(name)
+
+def _flat_metadata(header: Mapping) -> tuple:
+    for key in ("shard_metadata", "fsdp_metadata"):
+        md = header.get(key)
+        if isinstance(md, Mapping) and "param_metadata" in md:
+            return key, md
+    return None, None
+
+def _contiguous(t: torch.Tensor) -> bool:
+    expected, stride = 1, []
+    for s in reversed(t.shape):
+        stride.append(expected)
+        expected *= s
+    return t.dim() == 0 or all(st == ex or sz == 1 for st, ex, sz in zip(t.stride(), reversed(stride), t.shape))
+
+def _direct_extent(path: str, fmt: str, obj: Mapping, name: str, t: torch.Tensor) -> Extent:
+    offset = storage_byte_offset(t) if fmt == "zip" and _contiguous(t) else None
+    return Extent(path, _model_key(obj, name), 0, t.numel(), offset)
+
+def _format(path: str) -> str:
+    """"zip" when tensors can be read in place, "zip-packed" for a zip whose records are
+    compressed or big-endian, "legacy" for torch's pre-1.6 format (both read whole)."""
+    kind = _file_kind(path)
+    if kind == "zip" and not range_readable(path):
+        return "zip-packed"
+    return kind
+
+def _fmt_list(xs: Sequence[int], n: int = 20) -> str:
+    return ",".join(str(x) for x in xs[:n]) + (f",... ({len(xs) - n} more)" if len(xs) > n else "")
+
+def _check_grid(fs: _FileSet) -> tuple:
+    """Parse member names into a [part][shard] grid; raise on mixed or missing files."""
+    parsed = {p: FileName.parse(os.path.basename(p)) for p in fs.members}
+    patterns = {n.pattern for n in parsed.values()}
+    if len(patterns) > 1:
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, fs.prefix)}: mixed naming in one set: "
+            f"{_cap(sorted(os.path.basename(p) for p in fs.members), 8)}. Expected every file to "
+            "carry the same suffixes (all -model_part-M, all -shardD, or none); move the odd ones out."
+        )
+    any_name = next(iter(parsed.values()))
+    grid: dict = {}
+    for path, n in parsed.items():
+        grid.setdefault(n.part or 0, {})[n.shard or 0] = path
+    parts = sorted(grid)
+    n_parts = parts[-1] + 1
+    if parts != list(range(n_parts)):
+        missing = [m for m in range(n_parts) if m not in grid]
+        raise CheckpointLayoutError(
+            f"{os.path.join(fs.directory, any_name.format(part='{..}'))}: found model parts "
+            f"{_fmt_list(parts)} of {n_parts} (missing {_cap(missing, fmt=lambda m: any_name.format(part=m, shard=0 if any_name.shard is not None else None))}). "
+            "Copy the missing part(s) next to the others."
+        )
+    n_shards = max(max(row) for row in grid.values()) + 1
+    for m in parts:
+        have = sorted(grid[m])
+        if have != list(range(n_shards)):
+            missing = [d for d in range(n_shards) if d not in grid[m]]
+            label = any_name.format(part=m, shard="{..}") if any_name.part is not None else any_name.format(shard="{..}")
+            raise CheckpointLayoutError(
+                f"{os.path.join(fs.directory, label.replace('{..}', '{0..%d}' % (n_shards - 1)))}: "
+                f"found shards {_fmt_list(have)} of {n_shards} "
+                f"(missing {_cap(missing, fmt=lambda d: any_name.format(part=m, shard=d))}). "
+                "Copy the missing shard(s) next to the others."
+            )
+    return any_name, [[grid[m][d] for d in range(n_shards)] for m in range(n_parts)]
+
+
+def _read_headers(paths: Sequence[str]) -> dict:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        return dict(zip(paths, pool.map(read_header, paths)))
+
+_FLAT_NAME_RE = re.compile(r"(?:^|\.)flat_param(?:_\d+)?$")
+# Lists in messages are capped: a folder or cfg that claims a million shards must not make
+# a 100 MB error message.
+
+def _metadata_structure(md: Mapping) -> list:
+    """(fsdp_path, flat name, member names, shapes, numels) per flat parameter."""
+    return [(pm.get("fsdp_path", "") or "", k, list(v["names"]), [tuple(s) for s in v["shapes"]], list(v["numels"]))
+            for pm in md["param_metadata"] for k, v in pm["params"].items()]
+
+def _joined(fsdp_path: str, name: str) -> str:
+    return f"{fsdp_path}.{name}" if fsdp_path else name
+
+def _flat_reading(index: int, files: Sequence[CheckpointFile], headers: Mapping) -> tuple:
+    """Which reading of one model part's files the tensors support: ("flat", key) when the
+    files hold the flat parameters their metadata lists, ("unflattened", key-or-None) when
+    they hold ordinary tensors (any metadata beside them is stale), or raise when no
+    reading is consistent."""
+    label = lambda f: os.path.basename(f.path)  # noqa: E731
+    models = [_model_dict(headers[f.path]) for f in files]
+    metas = [_flat_metadata(headers[f.path]) for f in files]
+    flat_like = [sorted(n for n in m if _FLAT_NAME_RE.search(n)) for m in models]
+    declared = []
+    for key, md in metas:
+        declared.append(None if md is None else [_joined(p, k) for p, k, *_ in _metadata_structure(md)])
+    holds_flat = []
+    for f, model, names, flat in zip(files, models, declared, flat_like):
+        present = [k for k in (names or ()) if k in model]
+        if names and present and len(present) != len(names):
+            missing = [k for k in names if k not in model]
+            raise CheckpointLayoutError(
+                f"{f.path}: its shard_metadata lists flat parameters {_cap(names)} but the file holds only "
+                f"{_cap(present)} of them (missing {_cap(missing)}): neither a flat FSDP shard nor an "
+                "unflattened file. The file was edited or damaged; copy it again from its source."
+            )
+        holds_flat.append(bool(present) or (bool(flat) and names is None))
+    if any(holds_flat) and not all(holds_flat):
+        flat_files = [label(f) for f, h in zip(files, holds_flat) if h]
+        other = [label(f) for f, h in zip(files, holds_flat) if not h]
+        raise CheckpointLayoutError(
+            f"model part {index}: {_cap(flat_files)} hold flat FSDP parameters but {_cap(other)} hold "
+            "unflattened weights: files of different saves or writers are mixed in one set. Keep only "
+            "the files written by one save."
+        )
+    if all(holds_flat):
+        no_md = [label(f) for f, (k, _) in zip(files, metas) if k is None]
+        if no_md:
+            raise CheckpointLayoutError(
+                f"{files[0].path}: {_cap(no_md)} hold{'s' * (len(no_md) == 1)} flat FSDP parameters "
+                f"({_cap(flat_like[0])}) but no shard_metadata or fsdp_metadata, so how they unflatten "
+                "cannot be known. Expected FSDP local_state_dict shards saved with their shard_metadata "
+                "(use_sharded_state); re-save them, or consolidate them with the tool that wrote them."
+            )
+        keys = {k for k, _ in metas}
+        if len(keys) > 1:
+            raise CheckpointLayoutError(
+                f"model part {index}: some shards carry shard_metadata and some fsdp_metadata: files of "
+                "different writers are mixed. Keep only the files written by one save."
+            )
+        return "flat", keys.pop()
+    if len(files) > 1:
+        raise CheckpointLayoutError(
+            f"{files[0].path}: {len(files)} files are named as FSDP shards of model part {index} "
+            f"({label(files[0])} .. {label(files[-1])}) but each holds unflattened weights, so how they "
+            "split the model cannot be known (copies of one file?). Expected flat FSDP shards with "
+            "shard_metadata; keep one file, or pass the one you mean."
+        )
+    return "unflattened", metas[0][0]
+
+def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, stale: list) -> tuple:
+    """One model part from its files' tensors; returns (part, metadata key or None).
+
+    Appends ``(metadata key, warning)`` to ``stale`` for metadata that does not describe the
+    tensors."""
+    label = lambda f: os.path.basename(f.path)  # noqa: E731
+    first = headers[files[0].path]
+    model0 = _model_dict(first)
+    reading, metadata_key = _flat_reading(index, files, headers)
+    tensors: dict = {}
+    if reading == "unflattened":
+        for name, t in model0.items():
+            tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
+                                         (_direct_extent(files[0].path, files[0].format, first, name, t),))
+        buffers = tuple(n for n in tensors if n.endswith(_BUFFER_SUFFIXES))
+        shared: list = []
+        if metadata_key is not None:
+            md = first[metadata_key]
+            stale.append((metadata_key, _stale_metadata_note(files[0], metadata_key, md, model0)))
+            # Ties the metadata records still hold where the tensors agree: the writer dropped
+            # the alias (reshard_fsdp --unflatten-weights does) but the model expects it.
+            for pm in md["param_metadata"]:
+                fsdp_path = pm.get("fsdp_path", "") or ""
+                for pair in pm.get("shared_param_info", ()) or ():
+                    src, dst = _joined(fsdp_path, pair[0]), _joined(fsdp_path, pair[1])
+                    if src in tensors and (dst not in tensors or tensors[dst].shape == tensors[src].shape):
+                        shared.append((src, dst))
+            buffers = tuple(dict.fromkeys(buffers + tuple(
+                n for n in (md.get("buffer_names", ()) or ()) if n in tensors)))
+        return ModelPart(index, tensors, (), buffers, tuple(shared)), None
+
+    metas = [headers[f.path][metadata_key] for f in files]
+    models = [_model_dict(headers[f.path]) for f in files]
+    ref = _metadata_structure(metas[0])
+    for f, md, model in zip(files, metas, models):
+        if _metadata_structure(md) != ref:
+            raise CheckpointLayoutError(
+                f"{f.path}: its {metadata_key} differs from {label(files[0])}'s (other parameter "
+                "names, shapes or grouping): shards of different checkpoints are mixed in one set. "
+                "Keep only the shards written by one save."
+            )
+        if set(model) != set(models[0]):
+            raise CheckpointLayoutError(
+                f"{f.path}: holds tensors {_cap(sorted(set(model) ^ set(models[0])))} that "
+                f"{label(files[0])} does not (or the reverse): shards of different checkpoints are mixed."
+            )
+        for name, t in model.items():
+            t0 = models[0][name]
+            if t.dtype != t0.dtype:
+                raise CheckpointLayoutError(
+                    f"{f.path}: {name} is stored as {str(t.dtype).replace('torch.', '')} but "
+                    f"{label(files[0])} stores it as {str(t0.dtype).replace('torch.', '')}: every shard "
+                    "of one save has one dtype per tensor, so shards of different saves (or a shard "
+                    "converted on its own) are mixed. Keep only the files written by one save, or "
+                    "convert all of them."
+                )
+
+    flat_params = []
+    flat_keys = set()
+    for pm in metas[0]["param_metadata"]:
+        fsdp_path = pm.get("fsdp_path", "") or ""
+        for flat_name, v in pm["params"].items():
+            key = _joined(fsdp_path, flat_name)
+            flat_keys.add(key)
+            shard_numels, paddings = [], []
+            for f, md, model in zip(files, metas, models):
+                if model[key].dim() != 1:
+                    raise CheckpointLayoutError(
+                        f"{f.path}: flat parameter {key} has shape {tuple(model[key].shape)}; FSDP flat "
+                        "parameters are 1-D. The file was edited or damaged."
+                    )
+                padding = next(p["params"][flat_name].get("padding", 0) for p in md["param_metadata"]
+                               if (p.get("fsdp_path", "") or "") == fsdp_path)
+                shard_numels.append(model[key].numel())
+                paddings.append(int(padding or 0))
+            names = tuple(_joined(fsdp_path, n) for n in v["names"])
+            fp = FlatParam(key, fsdp_path, names, tuple(tuple(int(x) for x in s) for s in v["shapes"]),
+                           tuple(int(x) for x in v["numels"]), tuple(shard_numels), tuple(paddings),
+                           models[0][key].dtype)
+            bad = [(n, s, k) for n, s, k in zip(fp.names, fp.shapes, fp.numels) if math.prod(s) != k]
+            if bad or not len(fp.names) == len(fp.shapes) == len(fp.numels):
+                raise CheckpointLayoutError(
+                    f"{files[0].path}: {metadata_key} of {key} is inconsistent: "
+                    + (f"{bad[0][0]} has shape {bad[0][1]} but numel {bad[0][2]}" if bad else
+                       f"{len(fp.names)} names, {len(fp.shapes)} shapes, {len(fp.numels)} numels")
+                    + ". The metadata was edited or damaged."
+                )
+            _check_flat(fp, files)
+            flat_params.append(fp)
+            tensors.update(_unflatten(fp, index, files, headers))
+    buffer_names = tuple(metas[0].get("buffer_names", ()) or ())
+    for name, t in model0.items():
+        if name not in flat_keys:
+            tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
+                                         (_direct_extent(files[0].path, files[0].format, first, name, t),))
+    shared = []
+    for pm in metas[0]["param_metadata"]:
+        fsdp_path = pm.get("fsdp_path", "") or ""
+        for pair in pm.get("shared_param_info", ()) or ():
+            shared.append((_joined(fsdp_path, pair[0]), _joined(fsdp_path, pair[1])))
+    return ModelPart(index, tensors, tuple(flat_params), buffer_names, tuple(shared)), metadata_key
+
+def _stale_metadata_note(f: CheckpointFile, key: str, md: Mapping, model: Mapping) -> str:
+    """The warning for FSDP metadata kept beside unflattened weights, saying whether it
+    still describes them (same names and shapes) or another model."""
+    listed = {}
+    for fsdp_path, _, names, shapes, _ in _metadata_structure(md):
+        for n, s in zip(names, shapes):
+            listed[_joined(fsdp_path, n)] = tuple(int(x) for x in s)
+    disagree = [n for n, s in listed.items() if n in model and tuple(model[n].shape) != s]
+    absent = [n for n in listed if n not in model]
+    note = (f"{os.path.basename(f.path)}: holds unflattened weights but keeps the {key} of the FSDP run it "
+            "came from (as metaseq's reshard_fsdp --unflatten-weights writes it); the tensors are used and "
+            "the metadata is ignored")
+    if disagree or absent:
+        note += (f"; it does not describe them: {len(disagree)} shape(s) differ ({_cap(disagree, 3)}), "
+                 f"{len(absent)} listed tensor(s) absent ({_cap(absent, 3)})")
+    return note + "."
+
+def _check_flat(fp: FlatParam, files: Sequence[CheckpointFile]) -> None:
+    where = f"{os.path.basename(files[0].path)}..{os.path.basename(files[-1].path)}"
+    if len(set(fp.shard_numels)) > 1:
+        sizes = ", ".join(f"{os.path.basename(f.path)}: {n}" for f, n in zip(files, fp.shard_numels))
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key} has a different size in each shard ({sizes}); every shard of one save "
+            "has the same size (the last one padded). Shards of different saves are mixed: keep only "
+            "the files written by one save."
+        )
+    if any(p < 0 or p > n for n, p in zip(fp.shard_numels, fp.paddings)):
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key}: padding {list(fp.paddings)} does not fit shard sizes "
+            f"{list(fp.shard_numels)}: the shard_metadata is inconsistent with the tensors."
+        )
+    seen_padding = False
+    for f, real in zip(files, fp.real_numels):
+        if seen_padding and real > 0:
+            raise CheckpointLayoutError(
+                f"{f.path}: {fp.key}: holds {real} elements after an earlier shard ended in padding "
+                f"(paddings {list(fp.paddings)}): inconsistent padding across shards; expected padding "
+                "only at the end, as fairscale writes it. The shards come from different saves or were edited."
+            )
+        seen_padding = seen_padding or real < (fp.shard_numels[0] if fp.shard_numels else 0)
+    held = sum(fp.real_numels)
+    if held != fp.total_numel:
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key}: the {len(files)} shard(s) hold {held} elements but its metadata "
+            f"lists {fp.total_numel} ({len(fp.names)} tensors): "
+            + ("a shard is missing (the set ends early) or " if held < fp.total_numel else "")
+            + "the padding recorded in shard_metadata is wrong. Expected one complete set written by one save."
+        )
+
+def _unflatten(fp: FlatParam, part: int, files: Sequence[CheckpointFile], headers: Mapping) -> dict:
+    """Member tensors of a flat parameter as runs of bytes across the shard files."""
+    starts, pos = [], 0
+    for real in fp.real_numels:
+        starts.append(pos)
+        pos += real
+    out = {}
+    offset = 0
+    for name, shape, numel in zip(fp.names, fp.shapes, fp.numels):
+        extents = []
+        lo, hi = offset, offset + numel
+        for f, start, real in zip(files, starts, fp.real_numels):
+            a, b = max(lo, start), min(hi, start + real)
+            if a >= b:
+                continue
+            obj = headers[f.path]
+            t = _model_dict(obj)[fp.key]
+            base = storage_byte_offset(t) if f.format == "zip" else None
+            itemsize = t.element_size()
+            extents.append(Extent(f.path, _model_key(obj, fp.key), a - start, b - a,
+                                  None if base is None else base + (a - start) * itemsize))
+        out[name] = StoredTensor(name, part, fp.dtype, shape, tuple(extents))
+        offset = hi
+    return out
+
+
+# --------------------------------------------------------------------------- sets of files
+
+
+@dataclass(frozen=True)
+class TorchSet:
+    """A complete grid of ``torch.save`` files, their headers read: what every torch family's
+    describer starts from."""
+
+    fileset: _FileSet
+    name: FileName
+    files: tuple  # [part][shard] of CheckpointFile
+    headers: Mapping  # path -> header
+
+    @property
+    def label(self) -> str:
+        return os.path.join(self.fileset.directory, self.fileset.prefix)
+
+    @property
+    def first(self) -> Any:
+        return self.headers[self.files[0][0].path]
+
+
+def read_set(path: str, *, trust_pickle: bool = False) -> TorchSet:
+    """(local) Resolve ``path`` to one complete grid of files and read their headers."""
+    fs = _resolve_set(os.fspath(path))
+    name, grid = _check_grid(fs)
+    paths = [p for row in grid for p in row]
+    if trust_pickle:
+        headers = {p: read_header(p, trust_pickle=True) for p in paths}
+    else:
+        headers = _read_headers(paths)
+    for p, h in headers.items():
+        if _model_dict(h) is None:
+            keys = _cap([repr(k) for k in h.keys()], 8) if isinstance(h, Mapping) else type(h).__name__
+            raise CheckpointLayoutError(
+                f"{p}: not a model checkpoint: its top level is [{keys}]; expected a metaseq/fairseq "
+                "checkpoint (a dict with a 'model' state dict) or a plain state dict of tensors."
+            )
+    files = tuple(
+        tuple(CheckpointFile(p, m, d, os.path.getsize(p), _format(p)) for d, p in enumerate(row))
+        for m, row in enumerate(grid)
+    )
+    return TorchSet(fs, name, files, headers)
+
+
+def build_parts(ts: TorchSet) -> tuple:
+    """(parts, metadata key or None, stale notes) of a set, from its tensors; raise where
+    the parts cannot be one model."""
+    stale: list = []
+    built = [_build_part(m, row, ts.headers, stale) for m, row in enumerate(ts.files)]
+    parts = tuple(p for p, _ in built)
+    if len({bool(p.flat_params) for p in parts}) > 1:
+        flat = [str(p.index) for p in parts if p.flat_params]
+        raise CheckpointLayoutError(
+            f"{ts.label}: model part(s) {_cap(flat)} hold flat FSDP shards but the others hold unflattened "
+            "weights: files of different saves are mixed. Keep only the files written by one save."
+        )
+    names0 = list(parts[0].tensors)
+    for p in parts[1:]:
+        if list(p.tensors) != names0 and set(p.tensors) != set(names0):
+            diff = sorted(set(p.tensors) ^ set(names0))
+            raise CheckpointLayoutError(
+                f"{ts.files[p.index][0].path}: model part {p.index} holds other tensors than part 0 "
+                f"(e.g. {_cap(diff)}): parts of different models are mixed. Keep only one save's parts."
+            )
+        for n, t in p.tensors.items():
+            t0 = parts[0].tensors[n]
+            if t.dtype != t0.dtype:
+                raise CheckpointLayoutError(
+                    f"{ts.files[p.index][0].path}: {n} is stored as {str(t.dtype).replace('torch.', '')} in "
+                    f"model part {p.index} but as {str(t0.dtype).replace('torch.', '')} in part 0: parts of "
+                    "different saves (or a part converted on its own) are mixed. Keep only one save's parts, "
+                    "or convert all of them."
+                )
+    return parts, built[0][1], stale
+
+
+def claims(path: str) -> bool:
+    """Whether ``path`` names ``.pt`` files by the grammar (a folder, a file, a link, a glob,
+    or the un-suffixed name of a set): the torch families' detectors start here."""
+    path = os.fspath(path)
+    return bool(glob.has_magic(path) or os.path.isdir(path) or path.endswith(".pt") or os.path.lexists(path))

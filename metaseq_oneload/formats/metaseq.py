@@ -1,0 +1,143 @@
+"""metaseq and fairseq checkpoints: training dicts (``model``, ``cfg`` or old ``args``,
+``optimizer_history``, ``extra_state``, ``shard_metadata``/``fsdp_metadata``) in ``.pt``
+files named by the metaseq/fairseq grammar (see :mod:`metaseq_oneload._layout`).
+
+What this module knows that the shared torch machinery does not: what the ``cfg`` says
+(and that it is stale in consolidated and resharded files: the files win, the cfg becomes a
+warning), which saves the files belong to, and which of the two libraries wrote them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from .._errors import CheckpointLayoutError, cap_list
+from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get
+from . import _torchsave
+
+NAME = "metaseq"
+
+
+def detect(path: str) -> bool:
+    """Every path the ``.pt`` grammar can name: this family is the registry's last resort, so
+    its describer is what says "no such file" or "not a checkpoint"."""
+    return True
+
+
+def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
+    """(any rank, local) The layout of the metaseq/fairseq set ``path`` belongs to."""
+    ts = _torchsave.read_set(path, trust_pickle=trust_pickle)
+    files = ts.files
+    # Mixed saves: every file of one save carries the same update count and position.
+    run_ids = {f.path: _run_id(ts.headers[f.path]) for row in files for f in row}
+    if len(set(run_ids.values())) > 1:
+        groups: dict = {}
+        for p, r in run_ids.items():
+            groups.setdefault(r, []).append(os.path.basename(p))
+        desc = "; ".join(
+            f"num_updates={r[0]}, epoch={r[1]}, iterations_in_epoch={r[2]}"
+            + (f", save {r[3]}" if r[3] else "") + f": {cap_list(v)}"
+            for r, v in list(groups.items())[:5])
+        raise CheckpointLayoutError(
+            f"{ts.label}: files of different saves are mixed in one set ({desc}). "
+            "Keep only the files written by one save."
+        )
+    parts, metadata_key, stale = _torchsave.build_parts(ts)
+    settings = _settings(ts.first)
+    name = ts.name
+    if name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files):
+        missing = cap_list(range(len(files), settings.model_parallel_size),
+                           fmt=lambda m: name.format(part=m, shard=0 if name.shard is not None else None))
+        raise CheckpointLayoutError(
+            f"{ts.label}: found model parts 0..{len(files) - 1} but cfg "
+            f"common.model_parallel_size={settings.model_parallel_size} (missing {missing}). "
+            "Copy the missing part(s) next to the others."
+        )
+    stale_cfg = _cfg_warnings(files, settings, bool(parts[0].flat_params), name)
+    first = ts.first
+    cfg = first.get("cfg") if isinstance(first.get("cfg"), Mapping) else None
+    if (cfg is not None and "reshard" in cfg) or any(".qkv_proj." in n for n in parts[0].tensors):
+        flavor = "metaseq"
+    elif first.get("cfg") is not None or first.get("args") is not None:
+        flavor = "fairseq"
+    else:
+        flavor = "pytorch"
+    return CheckpointLayout(
+        directory=ts.fileset.directory,
+        prefix=ts.fileset.prefix,
+        name=name,
+        files=files,
+        parts=parts,
+        cfg=settings,
+        metadata_key=metadata_key,
+        aliases=ts.fileset.aliases,
+        num_updates=run_ids[files[0][0].path][0],
+        flavor=flavor,
+        warnings=tuple(w for _, w in stale + stale_cfg),
+        stale_metadata=tuple(dict.fromkeys(k for k, _ in stale + stale_cfg)),
+        trust_pickle=trust_pickle,
+    )
+
+
+def _cfg_value(header: Any, section: str, key: str) -> Any:
+    if not isinstance(header, Mapping):
+        return None
+    value = _get(_get(header.get("cfg"), section), key)
+    if value is None:
+        value = _get(_get(header.get("cfg"), "model"), key)
+    if value is None:
+        value = _get(header.get("args"), key)
+    return value
+
+def _settings(header: Any) -> CheckpointSettings:
+    def as_int(v):
+        return None if v is None else int(v)
+
+    usv = _cfg_value(header, "distributed_training", "use_sharded_state")
+    ddp = _cfg_value(header, "distributed_training", "ddp_backend")
+    return CheckpointSettings(
+        model_parallel_size=as_int(_cfg_value(header, "common", "model_parallel_size")),
+        checkpoint_shard_count=as_int(_cfg_value(header, "checkpoint", "checkpoint_shard_count")),
+        use_sharded_state=None if usv is None else bool(usv),
+        ddp_backend=None if ddp is None else str(ddp),
+        distributed_world_size=as_int(_cfg_value(header, "distributed_training", "distributed_world_size")),
+    )
+
+def _run_id(header: Any) -> tuple:
+    """What every file of one save shares: the update count and training position."""
+    if not isinstance(header, Mapping):
+        return ()
+    updates = None
+    hist = header.get("optimizer_history")
+    if isinstance(hist, (list, tuple)) and hist and isinstance(hist[-1], Mapping):
+        updates = hist[-1].get("num_updates")
+    it = _get(header.get("extra_state"), "train_iterator")
+    # The identity this package's own writers (convert, consolidate) put in every file of
+    # one output set tells two sets apart even at the same step.
+    save_id = _get(header.get("oneload_save"), "save_id")
+    return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"), save_id)
+
+def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, flat: bool,
+                  name: FileName) -> list:
+    out = []
+    n_parts, n_shards = len(files), len(files[0])
+    sharded = flat or n_shards > 1
+
+    def warn(field_name: str, value: Any, files_say: Any) -> None:
+        out.append((f"cfg.{field_name}",
+                    f"cfg {field_name}={value} but the files hold {files_say}; using the files "
+                    "(a consolidated or resharded checkpoint keeps the cfg of the run it came from)."))
+
+    if settings.model_parallel_size is not None and settings.model_parallel_size != n_parts:
+        warn("common.model_parallel_size", settings.model_parallel_size, f"{n_parts} model-parallel part(s)")
+    if settings.use_sharded_state is not None and settings.use_sharded_state != sharded:
+        warn("distributed_training.use_sharded_state", settings.use_sharded_state,
+             "FSDP-sharded parts" if sharded else "unsharded weights")
+    if settings.distributed_world_size is not None and sharded and settings.distributed_world_size != n_parts * n_shards:
+        warn("distributed_training.distributed_world_size", settings.distributed_world_size,
+             f"{n_parts} part(s) x {n_shards} shard(s) = {n_parts * n_shards} ranks")
+    k_parts = n_shards if name.shard_style == "_part" and name.shard is not None else 1
+    if settings.checkpoint_shard_count is not None and settings.checkpoint_shard_count != k_parts:
+        warn("checkpoint.checkpoint_shard_count", settings.checkpoint_shard_count, f"{k_parts} _part file(s)")
+    return out

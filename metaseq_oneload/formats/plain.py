@@ -1,0 +1,86 @@
+"""Plain PyTorch checkpoints: one ``torch.save`` file holding a state dict, bare
+(``torch.save(model.state_dict())``) or in the container a training script put it in
+(``{"state_dict": ...}`` from Lightning, ``{"model_state_dict": ...}`` from the PyTorch
+tutorials, ``{"module": ...}`` from DeepSpeed, ``{"model": ...}`` without a metaseq/fairseq
+``cfg``), under any file name (``model.pt``, ``weights.pth``, ``final.ckpt``).
+
+Files named by the metaseq grammar with part or shard suffixes, and folders, belong to
+:mod:`.metaseq`; a bare state dict found there is described the same way.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Mapping
+
+from .._errors import CheckpointLayoutError
+from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName
+from . import _torchsave
+
+NAME = "plain"
+
+# Keys only metaseq/fairseq training checkpoints carry: such a file is theirs.
+_TRAINING_KEYS = ("cfg", "args", "optimizer_history", "shard_metadata", "fsdp_metadata", "extra_state")
+
+
+def _single_file(path: str):
+    """The real file a single-file path names, or None where the path is a folder, a glob,
+    a member of a suffixed set, or nothing."""
+    if glob.has_magic(path) or not os.path.lexists(path) or os.path.isdir(path):
+        return None
+    try:
+        real = _torchsave._resolve(path)
+    except CheckpointLayoutError:
+        return None
+    if os.path.isdir(real):
+        return None
+    parsed = FileName.parse(os.path.basename(real))
+    if parsed is not None and (parsed.part is not None or parsed.shard is not None):
+        return None
+    return real
+
+
+def detect(path: str) -> bool:
+    """One readable torch file whose pickle is a state dict and no metaseq/fairseq dict."""
+    real = _single_file(os.fspath(path))
+    if real is None:
+        return False
+    if not real.endswith(".pt"):
+        return True  # no other family takes such a name: what the file is, describe() says
+    try:
+        header = _torchsave.read_header(real)
+    except CheckpointLayoutError:
+        return False  # damaged or not torch: the metaseq describer says what it is
+    except Exception:  # an unsafe pickle: refused there, with its message
+        return False
+    return (isinstance(header, Mapping) and _torchsave._container(header) is not None
+            and not any(k in header for k in _TRAINING_KEYS))
+
+
+def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
+    """(any rank, local) The one-file layout of a plain state dict."""
+    real = _single_file(os.fspath(path))
+    directory, base = os.path.split(real)
+    prefix = base[:-3] if base.endswith(".pt") else base
+    given = os.path.basename(os.fspath(path))
+    fileset = _torchsave._FileSet(directory, prefix, (real,), (given,) if given != base else ())
+    header = _torchsave.read_header(real, trust_pickle=trust_pickle)
+    f = CheckpointFile(real, 0, 0, os.path.getsize(real), _torchsave._format(real))
+    ts = _torchsave.TorchSet(fileset, FileName(prefix), ((f,),), {real: header})
+    parts, metadata_key, stale = _torchsave.build_parts(ts)
+    return CheckpointLayout(
+        directory=directory,
+        prefix=prefix,
+        name=FileName(prefix),
+        files=((f,),),
+        parts=parts,
+        cfg=CheckpointSettings(),
+        metadata_key=metadata_key,
+        aliases=fileset.aliases,
+        num_updates=None,
+        flavor="pytorch",
+        warnings=tuple(w for _, w in stale),
+        stale_metadata=tuple(dict.fromkeys(k for k, _ in stale)),
+        trust_pickle=trust_pickle,
+    )
