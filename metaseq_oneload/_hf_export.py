@@ -198,11 +198,16 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
         refuse("sinusoidal positions", "decoder.embed_positions is fairseq's SinusoidalPositionalEmbedding")
     scaled = not _arg(args, "no_scale_embedding", False)
     if scaled:
-        dim = _arg(args, "decoder_embed_dim", 0)
+        # The factor metaseq applies, sqrt of the embedding width: cfg.model's, else the
+        # stored table's (a cfg may leave decoder_embed_dim out).
+        dim = _arg(args, "decoder_embed_dim", None)
+        embed = targets.get("decoder.embed_tokens.weight")
+        if not dim and embed is not None and len(embed.shape) == 2:
+            dim = embed.shape[1]
+        factor = f"sqrt(decoder_embed_dim)={math.sqrt(dim):.4g}" if dim else "sqrt(decoder_embed_dim)"
         note = "" if "no_scale_embedding" in args else " (not in cfg.model: metaseq/fairseq default to scaling)"
         refuse("no_scale_embedding=False",
-               f"metaseq multiplies token embeddings by sqrt(decoder_embed_dim)={math.sqrt(dim or 1):.4g}{note}; "
-               "OPT does not scale them")
+               f"metaseq multiplies token embeddings by {factor}{note}; OPT does not scale them")
     activation = str(_arg(args, "activation_fn", "relu"))
     table = _ACTIVATIONS["metaseq" if layout.flavor == "metaseq" else "fairseq"]
     if activation in _GATED:
