@@ -58,10 +58,10 @@ class DistributedLoadError(OneloadError):
         self.failures = dict(failures or {})
 
 
-def cap_list(items, n: int = 5, fmt=str) -> str:
+def cap_list(items, n: int = 5, fmt=str, sep: str = ", ") -> str:
     """``items`` joined for a message, the first ``n`` (each through ``fmt``) then a count:
     a folder or cfg that claims a million shards must not make a 100 MB error message, nor
     take seconds to format one."""
     items = items if isinstance(items, (list, tuple, range)) else list(items)
-    head = ", ".join(fmt(x) for x in items[:n])
+    head = sep.join(fmt(x) for x in items[:n])
     return head + (f" ... and {len(items) - n} more" if len(items) > n else "")

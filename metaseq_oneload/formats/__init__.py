@@ -17,6 +17,8 @@ entries under ``tests/fixtures/``.
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -68,4 +70,28 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
         CheckpointNotFoundError: nothing at the path.
         UnsafeCheckpointError: a header needs a class outside the allowlist.
     """
-    return format_of(path).describe(os.fspath(path), trust_pickle=trust_pickle)
+    path = os.fspath(path)
+    return _as_given(format_of(path).describe(path, trust_pickle=trust_pickle), path)
+
+
+def _as_given(layout: CheckpointLayout, path: str) -> CheckpointLayout:
+    """The layout with its paths under the folder the user named, where that folder is a
+    link to the real one (checkpoints often live behind links to shared storage): what
+    ``inspect`` shows and what errors name is then what the user typed. The describers
+    resolve links to group files; that stays, only the spelling changes."""
+    given = path if os.path.isdir(path) and not glob.has_magic(path) else os.path.dirname(path)
+    given = os.path.abspath(given or ".")
+    real = layout.directory
+    if given == real or os.path.realpath(given) != os.path.realpath(real):
+        return layout
+
+    def moved(p: str) -> str:
+        return os.path.join(given, os.path.relpath(p, real)) if p.startswith(real + os.sep) else p
+
+    files = tuple(tuple(dataclasses.replace(f, path=moved(f.path)) for f in row) for row in layout.files)
+    parts = tuple(
+        dataclasses.replace(part, tensors={
+            n: dataclasses.replace(t, extents=tuple(dataclasses.replace(e, path=moved(e.path)) for e in t.extents))
+            for n, t in part.tensors.items()})
+        for part in layout.parts)
+    return dataclasses.replace(layout, directory=given, files=files, parts=parts)

@@ -13,6 +13,7 @@ OPT release layout) are unflattened weights, and the metadata is reported as sta
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import glob
 import math
 import os
@@ -68,14 +69,21 @@ def _resolve(path: str) -> str:
         try:
             real = os.path.realpath(current, strict=True)
         except OSError as e:
+            if e.errno == errno.EACCES:
+                raise CheckpointLayoutError(
+                    f"{path}: permission denied while following {' -> '.join(chain)}: a folder on the way "
+                    "cannot be searched by this user. Check the permissions (ls -ld on each folder) or run "
+                    "as a user who can read the checkpoint."
+                ) from None
             if os.path.islink(current) and ("loop" in str(e).lower() or getattr(e, "errno", None) == 40):
                 raise CheckpointLayoutError(
                     f"{path}: symlink loop ({' -> '.join(chain)} -> ...); point the link at a real "
                     "checkpoint file."
                 ) from None
             if os.path.lexists(current) or len(chain) > 1:
+                shown = chain + ([os.readlink(current)] if os.path.islink(current) else [])
                 raise CheckpointLayoutError(
-                    f"{path}: dangling link: {' -> '.join(chain)} does not exist. Re-create the link "
+                    f"{path}: dangling link: {' -> '.join(shown)} does not exist. Re-create the link "
                     "or pass the checkpoint's real file name."
                 ) from None
             raise CheckpointNotFoundError(f"{path}: no such file.") from None
@@ -113,11 +121,17 @@ class _Entry:
         return (os.path.dirname(self.real), rn.prefix if rn else os.path.basename(self.real))
 
 
-def _scan(directory: str) -> list:
-    """The folder's *.pt entries, resolved. A broken link is skipped here: if it belonged
-    to the set the user asked for, the grid check names the missing file instead."""
+def _scan(directory: str, problems: Optional[list] = None) -> list:
+    """The folder's *.pt entries, resolved. A broken link is skipped here (and noted in
+    ``problems``): if it belonged to the set the user asked for, the grid check names the
+    missing file instead."""
     try:
         names = sorted(os.listdir(directory))
+    except PermissionError:
+        raise CheckpointLayoutError(
+            f"{directory}: permission denied: this user cannot list the folder. Check its permissions "
+            "(ls -ld) or run as a user who can read the checkpoint."
+        ) from None
     except OSError as e:
         raise CheckpointLayoutError(f"{directory}: cannot list the folder ({e.strerror or e}).") from e
     entries = []
@@ -128,8 +142,9 @@ def _scan(directory: str) -> list:
             continue
         try:
             entries.append(_Entry(n, parsed, _resolve(full)))
-        except CheckpointLayoutError:
-            continue
+        except CheckpointLayoutError as e:
+            if problems is not None:
+                problems.append(str(e))
     return entries
 
 
@@ -193,7 +208,15 @@ def _resolve_set(path: str) -> _FileSet:
         return _set_from(keys[0], entries)
 
     if os.path.isdir(path):
-        entries = _scan(path)
+        problems: list = []
+        entries = _scan(path, problems)
+        if not entries and problems:
+            # Links whose targets are not here: on a rank where a mount is missing this is "not
+            # visible" (the others can send the weights), so not-found, with the true reason.
+            raise CheckpointNotFoundError(
+                f"{path}: the folder holds {len(problems)} *.pt entr{'y' if len(problems) == 1 else 'ies'} "
+                f"but none can be read: {_cap(problems, 3, fmt=lambda m: m.rstrip('.'), sep='; ')}."
+            )
         if not entries:
             # Not "damaged": an empty folder is what a rank sees where a mount is missing.
             raise CheckpointNotFoundError(

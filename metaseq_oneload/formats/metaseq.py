@@ -131,7 +131,11 @@ def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: Checkpoin
 
     if settings.model_parallel_size is not None and settings.model_parallel_size != n_parts:
         warn("common.model_parallel_size", settings.model_parallel_size, f"{n_parts} model-parallel part(s)")
-    if settings.use_sharded_state is not None and settings.use_sharded_state != sharded:
+    # use_sharded_state=True beside unflattened files is what a non-FSDP run saves (metaseq's
+    # model-parallel transformer asserts it under pytorch_ddp): stale only under FSDP.
+    ddp_saved = settings.ddp_backend is not None and settings.ddp_backend != "fully_sharded"
+    if settings.use_sharded_state is not None and settings.use_sharded_state != sharded and not (
+            settings.use_sharded_state and not sharded and ddp_saved):
         warn("distributed_training.use_sharded_state", settings.use_sharded_state,
              "FSDP-sharded parts" if sharded else "unsharded weights")
     if settings.distributed_world_size is not None and sharded and settings.distributed_world_size != n_parts * n_shards:
