@@ -1,0 +1,235 @@
+"""What the package declares is true: the Python versions (the pure-Python parts run on the
+oldest and the newest declared), the version, the type-checker view of the lazy namespace,
+help() showing plain annotations, and a command line whose parser never imports torch."""
+
+import ast
+import configparser
+import importlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import metaseq_oneload
+from tests.conftest import REPO
+
+PACKAGE = REPO / "metaseq_oneload"
+
+
+def _setup_cfg() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return cfg
+
+
+def _declared_minors() -> list:
+    classifiers = _setup_cfg()["metadata"]["classifiers"].split("\n")
+    prefix = "Programming Language :: Python :: 3."
+    return sorted(int(c.strip()[len(prefix):]) for c in classifiers if c.strip().startswith(prefix))
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def test_python_requires_matches_the_classifiers():
+    requires = _setup_cfg()["options"]["python_requires"].strip()
+    assert requires == ">=3.10"  # os.path.realpath(strict=True), PEP 604 unions at run time
+    minors = _declared_minors()
+    assert minors[0] == 10 and minors == list(range(10, minors[-1] + 1))
+    assert sys.version_info[:2] >= (3, minors[0])
+
+
+def test_every_module_parses_as_the_oldest_declared_python():
+    oldest = (3, _declared_minors()[0])
+    files = sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "hydra_plugins").rglob("*.py"))
+    for path in files:
+        ast.parse(path.read_text(), filename=str(path), feature_version=oldest)
+
+
+def _pyenv_python(minor: int):
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for version in sorted(root.glob(f"3.{minor}.*"), reverse=True) if root.is_dir() else ():
+        if (version / "bin" / "python").exists():
+            return version / "bin" / "python"
+    return shutil.which(f"python3.{minor}")
+
+
+# The pure-Python parts, which must not need torch: the package's namespace, the command
+# line's parser, the Hydra plugin and config group, the schema's checks, argv handling.
+PURE = r"""
+import contextlib, io, json, sys
+import metaseq_oneload
+from metaseq_oneload import cli, _hydra
+import hydra_plugins.oneload_searchpath.oneload_searchpath as plugin
+from hydra.core.plugins import Plugins
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+out = {}
+for argv in (["--version"], ["--help"], ["convert", "--help"], ["export-hf", "--help"]):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            cli.main(argv)
+        except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+    out[" ".join(argv)] = buf.getvalue()
+out["plugins"] = [p.__name__ for p in Plugins.instance().discover(SearchPathPlugin)]
+out["composed"] = repr(_hydra.compose_oneload(["+oneload=broadcast", "oneload.bucket_mb=64"]))
+try:
+    _hydra.compose_oneload(["+oneload=auto", "oneload.strategy=bogus"])
+except Exception as e:
+    out["refused"] = str(e)
+out["argv"] = _hydra.split_argv(["--lr", "1", "+oneload=auto", "oneload.verify=true"])
+out["heavy"] = sorted(m for m in ("torch", "numpy", "transformers") if m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def _pure_python_path(tmp_path: Path) -> Path:
+    """A folder of links to the pure-Python dependencies (hydra, omegaconf and theirs), so
+    another interpreter imports them without this venv's compiled packages (torch)."""
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for name in ("hydra", "omegaconf", "antlr4", "yaml", "packaging"):
+        module = importlib.import_module(name)
+        (deps / name).symlink_to(Path(module.__file__).parent)
+    return deps
+
+
+@pytest.mark.parametrize("minor", [10, 12], ids=["3.10", "3.12"])
+def test_pure_python_parts_on_other_versions(tmp_path, minor):
+    python = _pyenv_python(minor)
+    if python is None:
+        pytest.skip(f"no Python 3.{minor} on this machine (pyenv install 3.{minor} to run this)")
+    deps = _pure_python_path(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(deps)])
+    r = subprocess.run([str(python), "-S", "-c", PURE], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["--version"].strip() == f"metaseq-oneload {metaseq_oneload.__version__}"
+    assert "usage: metaseq-oneload" in out["--help"] and "--model-parallel" in out["convert --help"]
+    assert "--no-progress" in out["export-hf --help"]
+    assert "OneloadSearchPathPlugin" in out["plugins"]
+    assert "strategy='broadcast'" in out["composed"] and "bucket_mb=64" in out["composed"]
+    assert "oneload.strategy='bogus'" in out["refused"]
+    assert out["argv"] == [["--lr", "1"], ["+oneload=auto", "oneload.verify=true"]]
+    assert out["heavy"] == []
+
+
+def test_version_is_one_literal_read_by_setup_cfg():
+    assert _setup_cfg()["metadata"]["version"].strip() == "attr: metaseq_oneload.__version__"
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    literal = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
+               and [getattr(t, "id", None) for t in n.targets] == ["__version__"]]
+    assert literal == [metaseq_oneload.__version__]
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_version_flag(how):
+    if how == "console script":
+        script = Path(sys.executable).parent / "metaseq-oneload"
+        if not script.exists():
+            pytest.skip("metaseq-oneload is not installed in this environment (make test installs it)")
+        cmd = [str(script)]
+    else:
+        cmd = [sys.executable, "-m", "metaseq_oneload"]
+    r = subprocess.run(cmd + ["--version"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.strip() == f"metaseq-oneload {metaseq_oneload.__version__}"
+
+
+def test_every_package_is_listed_in_setup_cfg():
+    """setup.cfg lists packages by name (hydra_configs is mapped into metaseq_oneload): a new
+    subpackage left out would be missing from the wheel."""
+    listed = set(_setup_cfg()["options"]["packages"].split())
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
+    found |= {"metaseq_oneload.hydra_configs", "hydra_plugins.oneload_searchpath"}
+    assert found == listed
+
+
+def test_numpy_is_a_dependency():
+    requires = [r.strip().split(">")[0].split("<")[0].split("=")[0] for r in
+                _setup_cfg()["options"]["install_requires"].strip().splitlines() if r.strip()]
+    assert "numpy" in requires and "torch" in requires
+
+
+# --------------------------------------------------------------------------- typing, help()
+
+
+def _type_checking_imports() -> dict:
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "typing.TYPE_CHECKING")
+    names = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+        for alias in node.names:
+            names[alias.asname or alias.name] = ("." * node.level + (node.module or ""), alias.name)
+    return names
+
+
+def test_type_checkers_see_every_lazy_name():
+    assert _type_checking_imports() == metaseq_oneload._LAZY
+    assert (PACKAGE / "py.typed").is_file()
+
+
+def test_every_public_name_resolves():
+    for name in metaseq_oneload.__all__:
+        assert getattr(metaseq_oneload, name) is not None, name
+
+
+def _annotations(obj) -> list:
+    target = obj.__dict__.get("__init__") if isinstance(obj, type) else obj
+    if not isinstance(target, types.FunctionType):
+        return []
+    sig = inspect.signature(obj)
+    return [p.annotation for p in sig.parameters.values()] + [sig.return_annotation]
+
+
+def test_help_shows_plain_annotations():
+    checked = 0
+    for name in sorted(metaseq_oneload._LAZY):
+        obj = getattr(metaseq_oneload, name)
+        for ann in _annotations(obj):
+            if ann is inspect.Parameter.empty:
+                continue
+            text = inspect.formatannotation(ann)
+            assert "'" not in text and '"' not in text, f"{name}: {text}"
+            checked += 1
+    assert checked > 50
+    shown = inspect.signature(metaseq_oneload.load_state_dict)
+    assert "path: str | os.PathLike, *, process_group: Optional[dist.ProcessGroup] = None" in str(shown)
+
+
+# --------------------------------------------------------------------------- the command line
+
+NO_TORCH = r"""
+import contextlib, io, sys
+from metaseq_oneload.cli import main, _COMMANDS
+for argv in [["--help"], ["--version"]] + [[name, "--help"] for name in _COMMANDS]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+print(sorted(m for m in ("torch", "numpy", "safetensors", "transformers", "hydra") if m in sys.modules))
+"""
+
+
+def test_help_and_version_import_no_torch():
+    r = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_importtime_of_help_has_no_torch():
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "metaseq_oneload", "--help"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "usage: metaseq-oneload" in r.stdout
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "metaseq_oneload.cli" in imported and "torch" not in imported
