@@ -541,7 +541,10 @@ def _storage_keys(found: list, refs: list, index: ZipIndex) -> Optional[dict]:
     nbytes = {ref.key: ref.nbytes for ref in refs}
 
     def consistent(mapping: dict) -> bool:
-        return all(all(s.nbytes() == nbytes.get(key, -1) for s in by_offset[off]) for off, key in mapping.items())
+        # >=: a meta storage grows to fit a tensor that reaches past it (meta storages are
+        # resizable), which the bounds check then reports against the declared size.
+        return all(key in nbytes and all(s.nbytes() >= nbytes[key] for s in by_offset[off])
+                   for off, key in mapping.items())
 
     data_at = {rec.data_offset: rec.name[len("data/"):] for rec in index.records.values()
                if rec.name.startswith("data/")}
@@ -563,9 +566,14 @@ def _fmt_shape(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)} stride {tuple(t.stride())} at storage offset {t.storage_offset()}"
 
 
-def _check_bounds(path: str, found: list) -> None:
+def _check_bounds(path: str, found: list, declared: Optional[dict] = None) -> None:
     """Every tensor lies inside its storage (torch.load refuses otherwise: 'Trying to
-    resize storage that is not resizable'); checked on meta, before anything is allocated."""
+    resize storage that is not resizable'); checked on meta, before anything is allocated.
+
+    ``declared`` maps id(untyped storage) to the bytes the pickle declares for it: a meta
+    storage silently grows to fit whatever tensor is built on it, so its own size proves
+    nothing once a tensor reached past it.
+    """
     for name, t in found:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             continue
@@ -573,7 +581,9 @@ def _check_bounds(path: str, found: list) -> None:
             raise CheckpointLayoutError(f"{path}: tensor {name}: {_fmt_shape(t)}: negative strides or offsets "
                                         "cannot come from torch.save. The file's header was edited or is damaged.")
         last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        have = t.untyped_storage().nbytes() // t.element_size()
+        s = t.untyped_storage()
+        nbytes = s.nbytes() if declared is None else declared.get(id(s), s.nbytes())
+        have = nbytes // t.element_size()
         if last >= have:
             raise CheckpointLayoutError(
                 f"{path}: tensor {name}: {_fmt_shape(t)} reaches element {last + 1} of a storage of "
@@ -605,7 +615,11 @@ def _check_zip(path: str, obj: Any, index: ZipIndex, data_pkl: bytes) -> None:
                 f"the header declares {ref.numel} {str(ref.dtype).replace('torch.', '')} elements "
                 f"({ref.nbytes} bytes); torch.load refuses it too ('record size ... does not match expected "
                 "size'). The file is damaged or was edited: copy it again from its source.")
-    _check_bounds(path, found)
+    declared = None
+    if keys is not None:
+        size_of = {ref.key: ref.nbytes for ref in refs}
+        declared = {sid: size_of[key] for sid, key in keys.items()}
+    _check_bounds(path, found, declared)
     in_place = index.why_not_range_readable is None
     for _, t in found:
         s = _untyped(t)
