@@ -21,6 +21,7 @@ caller passes ``trust_pickle=True`` (unsafe: it runs whatever the file says).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import collections.abc
 import contextlib
@@ -730,9 +731,10 @@ def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True) -> 
 def storage_byte_offset(meta_tensor: torch.Tensor) -> Optional[int]:
     """Byte offset in its file of a tensor from :func:`read_header`, or None when it cannot
     be read in place (then the tensor is read through :func:`load_object`). The offset is the
-    one :func:`read_header` verified against the archive, never torch's computed guess."""
+    one :func:`read_header` verified against the archive, never torch's computed guess; None
+    too for a tensor whose elements are not one run of consecutive bytes (non-contiguous)."""
     base = getattr(meta_tensor.untyped_storage(), "_oneload_offset", None)
-    if base is None:
+    if base is None or not meta_tensor.is_contiguous():
         return None
     return int(base) + meta_tensor.storage_offset() * meta_tensor.element_size()
 
@@ -774,6 +776,7 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._objects: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._spans: dict = {}
 
     def __enter__(self) -> "RangeReader":
         return self
@@ -786,6 +789,7 @@ class RangeReader:
             os.close(fd)
         self._fds.clear()
         self._objects.clear()
+        self._spans.clear()
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -797,8 +801,27 @@ class RangeReader:
             self._fds[path] = fd
         return fd
 
+    def _record_spans(self, path: str) -> Optional[tuple]:
+        """(starts, ends) of the storage records of a torch zip, sorted; None for other files."""
+        if path not in self._spans:
+            spans = None
+            if not path.endswith(".safetensors") and _file_kind(path) == "zip":
+                recs = sorted((r.data_offset, r.data_offset + r.size) for r in _zip_index(_stat_key(path)).records.values()
+                              if r.name.startswith("data/") and r.stored)
+                spans = ([a for a, _ in recs], [b for _, b in recs])
+            self._spans[path] = spans
+        return self._spans[path]
+
     def _pread(self, path: str, offset: int, out: torch.Tensor) -> None:
         view = _writable_buffer(out)
+        spans = self._record_spans(path)
+        if spans is not None:  # every read lies inside one storage record, whatever computed it
+            i = bisect.bisect_right(spans[0], offset) - 1
+            if i < 0 or offset + len(view) > spans[1][i]:
+                raise CheckpointLayoutError(
+                    f"{path}: asked to read bytes {offset}..{offset + len(view)}, which do not lie inside one "
+                    "tensor record of the file (its header and the layout disagree, or the file changed since "
+                    "it was inspected). Nothing was loaded from it; inspect the checkpoint again.")
         fd = self._fd(path)
         done = 0
         while done < len(view):

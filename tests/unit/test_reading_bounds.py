@@ -231,3 +231,23 @@ def test_a_central_directory_pointing_at_the_wrong_bytes_is_refused(tmp_path):
     raw[at + 42: at + 46] = (info.header_offset + 8).to_bytes(4, "little")
     bad.write_bytes(bytes(raw))
     refused(lambda: mo.inspect(bad), bad, r"places checkpoint_2_consolidated/data/5 at byte \d+, which holds no local file header")
+
+
+# --------------------------------------------------------------------------- the reader's own guard
+def test_a_read_outside_every_storage_record_is_refused():
+    """Whatever computed an extent, the reader reads only inside one verified storage record:
+    one element too many, or the bytes of a zip header, raise instead of loading garbage."""
+    from metaseq_oneload._reading import Extent, RangeReader, key_path, storage_byte_offset
+
+    t = read_header(str(SINGLETON))["model"]["decoder.embed_tokens.weight"]
+    off = storage_byte_offset(t)
+    key = key_path("model", "decoder.embed_tokens.weight")
+    with RangeReader() as reader:
+        out = torch.empty(t.numel(), dtype=t.dtype)
+        reader.read_extent(Extent(str(SINGLETON), key, 0, t.numel(), off), 0, out, t.dtype)
+        for ext in (Extent(str(SINGLETON), key, 0, t.numel() + 1, off), Extent(str(SINGLETON), key, 0, 4, 0)):
+            with pytest.raises(CheckpointLayoutError, match=r"checkpoint_2_consolidated\.pt: asked to read bytes "
+                                                            r"\d+\.\.\d+, which do not lie inside one tensor record"):
+                reader.read_extent(ext, 0, torch.empty(ext.numel, dtype=t.dtype), t.dtype)
+    ref = torch.load(SINGLETON, weights_only=False)["model"]["decoder.embed_tokens.weight"]
+    assert torch.equal(out, ref.reshape(-1))
