@@ -13,8 +13,10 @@ Three things live here, none of which needs metaseq:
   :func:`compose_oneload` composes the group on its own (what the start-up hook does).
 * :func:`fill_settings` writes ``common.model_parallel_size``,
   ``checkpoint.checkpoint_shard_count``, ``distributed_training.use_sharded_state`` and
-  ``distributed_training.ddp_backend`` from the files into a metaseq-shaped config; a value
-  the user gave that contradicts the files is a :class:`CheckpointSettingsError`.
+  ``distributed_training.ddp_backend`` from the files into a metaseq-shaped config where
+  the user left them; what the user gave is kept where it is the run's choice (its
+  model-parallel size, its backend, how it saves: the engine reshards on load), and is a
+  :class:`CheckpointSettingsError` where it contradicts how the files must be read.
 
 Config dataclasses use ``typing.Optional``, not ``X | None``: omegaconf 2.1 (metaseq's pin)
 rejects PEP 604 unions. Nothing here imports torch at module level; the layout discovery it
@@ -64,7 +66,7 @@ CONFIG_MODULE = "metaseq_oneload.hydra_configs"
 
 class CheckpointSettingsError(OneloadError, ValueError):
     """A loading setting the user gave (flag, override or config value) contradicts what the
-    checkpoint's files hold."""
+    checkpoint's files hold, or what the run itself needs."""
 
 
 @dataclass
@@ -86,8 +88,8 @@ class OneloadConfig:
     # Broadcast bucket size in MiB: the peak extra memory on every rank when broadcasting.
     bucket_mb: float = 256.0
     # Fill model_parallel_size, checkpoint_shard_count, use_sharded_state and ddp_backend
-    # from the files when the user left them at metaseq's defaults, and refuse values the
-    # user gave that contradict the files. False: leave the config as given.
+    # from the files when the user left them at metaseq's defaults (values the user gave
+    # are the run's choices, loaded onto; see fill_settings). False: leave the config as given.
     fill_cfg: bool = True
 
     def __post_init__(self) -> None:
@@ -200,54 +202,97 @@ def _value(node: Any, leaf: str) -> Any:
     return node[leaf] if isinstance(node, Mapping) else getattr(node, leaf)
 
 
+# What a run chooses rather than needs for loading: a value the user gave is honoured (the
+# engine reshards onto it), a default takes the files'. checkpoint_shard_count only says how
+# to read fairseq's _partK files, so a given value must match them.
+_CHOICES = frozenset({"model_parallel_size", "ddp_backend", "use_sharded_state"})
+
+
 def fill_settings(
     cfg: Any,
     layout,
     *,
     explicit: Iterable[str] = (),
     strategy: str = "auto",
+    requires: Optional[Mapping[str, Tuple[Any, str]]] = None,
+    kept: Optional[List[Tuple[str, Any, Any]]] = None,
 ) -> List[Tuple[str, Any, Any]]:
     """(local) Write the files' loading settings into a metaseq-shaped config, in place.
 
     A setting still at metaseq's default, and not named in ``explicit`` (dotted keys or
-    flags the user typed), takes the files' value. A setting the user gave that differs is
-    an error, except with ``strategy="reshard"``, where the user's value wins and the engine
-    converts. Settings the files do not constrain (``ddp_backend`` and ``use_sharded_state``
-    for unflattened weights) are left alone, as are sections the config does not have.
+    flags the user typed), takes the files' value. A value the user gave is the run's
+    choice where the engine can load onto it (``model_parallel_size``, ``ddp_backend``,
+    ``use_sharded_state``: the weights and optimizer state are resharded on load) and is
+    kept, except with ``strategy="own_shard"``, which reads the files as they are; a given
+    ``checkpoint_shard_count`` must match the files unless ``strategy="reshard"``.
+    ``use_sharded_state`` of unflattened weights is left alone (it only decides how the
+    run saves), as are sections the config does not have. ``requires`` (what the run's
+    model needs to be built, as (value, why)) comes first: metaseq's model-parallel
+    transformer asserts ``use_sharded_state``.
+
+    Args:
+        cfg: a metaseq config (DictConfig, dict or argparse.Namespace sections).
+        layout: the checkpoint the run loads (:func:`metaseq_oneload.inspect`).
+        explicit: the settings the user gave, as dotted keys or flags.
+        strategy: the ``oneload.strategy`` in effect.
+        requires: setting name -> (value, why) that the run itself needs.
+        kept: if given, receives each given value kept against the files, as (dotted key,
+            the run's value, the files' value).
 
     Returns:
         The changes made, as (dotted key, old value, new value).
 
     Raises:
-        CheckpointSettingsError: naming the flag, the value given and what the files hold.
+        CheckpointSettingsError: naming the setting, what the files hold and what the run
+            asked for.
     """
     files = checkpoint_settings(layout)
     # Unflattened weights load under any backend and either use_sharded_state (which then
     # only decides how the run saves): the files constrain those two only when FSDP-sharded.
     files["use_sharded_state"] = True if files["use_sharded_state"] else None
+    requires = dict(requires or {})
     explicit = set(explicit)
     changes = []
     for s in SETTINGS:
-        want = files[s.name]
         node, leaf, present = _get(cfg, s.key)
-        if want is None or not present:
+        if not present:
             continue
         have = _value(node, leaf)
-        if have == want:
-            continue
         given = s.key in explicit or s.flag in explicit or have != s.default
-        if given:
-            if strategy == "reshard":
+        if s.name in requires:
+            want, why = requires[s.name]
+            if have == want:
                 continue
-            raise CheckpointSettingsError(
-                f"{s.flag} {have} ({s.key}) contradicts {_describe(layout)}: the files hold "
-                f"{s.name}={want}{_why(s.name, layout)}. Drop {s.flag} to take the files' value, or "
-                f"pass oneload.strategy=reshard to load onto {s.name}={have} anyway."
-            )
-        if s.name == "use_sharded_state" and want:
-            backend_node, backend_leaf, backend_present = _get(cfg, "distributed_training.ddp_backend")
-            if backend_present and _value(backend_node, backend_leaf) != "fully_sharded":
-                continue  # the user's own backend (strategy=reshard) cannot save sharded state
+            if given:
+                raise CheckpointSettingsError(
+                    f"{s.key}={have} ({s.flag}): {why}, so this run needs {s.name}={want}; the files "
+                    f"({_describe(layout)}) hold {_files_hold(s.name, files[s.name], layout)}. Drop the "
+                    f"setting (metaseq-oneload sets it) or give {s.flag}."
+                )
+        else:
+            want = files[s.name]
+            if want is None or have == want:
+                continue
+            if given:
+                if (s.name in _CHOICES and strategy != "own_shard") or strategy == "reshard":
+                    if kept is not None:
+                        kept.append((s.key, have, want))
+                    continue
+                if strategy == "own_shard":
+                    raise CheckpointSettingsError(
+                        f"{s.flag} {have} ({s.key}): oneload.strategy=own_shard reads the files as they are, and "
+                        f"{_describe(layout)} hold {s.name}={want}{_why(s.name, layout)}. Drop {s.flag} to take "
+                        f"the files' value, or use oneload.strategy=auto to load onto {s.name}={have}."
+                    )
+                raise CheckpointSettingsError(
+                    f"{s.flag} {have} ({s.key}) contradicts {_describe(layout)}: the files hold "
+                    f"{s.name}={want}{_why(s.name, layout)}. Drop {s.flag} to take the files' value, or "
+                    f"pass oneload.strategy=reshard to load onto {s.name}={have} anyway."
+                )
+            if s.name == "use_sharded_state" and want:
+                backend_node, backend_leaf, backend_present = _get(cfg, "distributed_training.ddp_backend")
+                if backend_present and _value(backend_node, backend_leaf) != "fully_sharded":
+                    continue  # the run's own backend (not FSDP) cannot save sharded state
         if isinstance(node, Mapping):
             node[leaf] = want
         else:
@@ -255,6 +300,12 @@ def fill_settings(
         _set_mirrors(cfg, leaf, have, want)
         changes.append((s.key, have, want))
     return changes
+
+
+def _files_hold(name: str, value: Any, layout) -> str:
+    if value is None:
+        return "unflattened weights, which load either way"
+    return f"{name}={value}{_why(name, layout)}"
 
 
 def _set_mirrors(cfg: Any, leaf: str, old: Any, new: Any) -> None:

@@ -452,7 +452,7 @@ def _engine_load(layout, *, process_group=None, model_parallel_group=None, flat=
                          model_parallel_group=model_parallel_group, flat=flat, shard_metadata=shard_metadata,
                          strategy=cfg.strategy if cfg.enabled else "auto", bucket_mb=cfg.bucket_mb,
                          verify=cfg.verify, qkv=qkv)
-    logger.info("%s", lc.report.line())
+    # The engine has logged the one strategy line (on the first rank of the groups).
     for w in lc.report.warnings:
         logger.info("metaseq-oneload: %s", w)
     return lc
@@ -645,13 +645,18 @@ def _exists(path: str) -> bool:
     return True
 
 
-def fill_from_checkpoint(cfg: Any) -> List[Tuple[str, Any, Any]]:
+def fill_from_checkpoint(cfg: Any, *, requires: Optional[Mapping[str, Tuple[Any, str]]] = None
+                         ) -> List[Tuple[str, Any, Any]]:
     """(every rank, local) Fill a metaseq config's loading settings from the checkpoint it
     will load (see :func:`metaseq_oneload.fill_settings`), with the installed options: a
     no-op with ``fill_cfg=False``, or when there is no checkpoint yet (a first launch).
+    ``requires``: what the run's model needs, setting name -> (value, why).
 
     Returns:
         The changes, as (dotted key, old, new).
+
+    Raises:
+        CheckpointSettingsError: a setting the user gave cannot be loaded onto.
     """
     oc = _STATE.config
     if not oc.fill_cfg or not oc.enabled:
@@ -665,9 +670,16 @@ def fill_from_checkpoint(cfg: Any) -> List[Tuple[str, Any, Any]]:
         if oc.path:
             raise
         return []
-    changes = fill_settings(cfg, layout, explicit=_STATE.explicit, strategy=oc.strategy)
+    kept: list = []
+    changes = fill_settings(cfg, layout, explicit=_STATE.explicit, strategy=oc.strategy, requires=requires,
+                            kept=kept)
+    needed = {name: why for name, (_, why) in (requires or {}).items()}
     for key, old, new in changes:
-        logger.info("metaseq-oneload: %s=%s (was %s): from %s", key, new, old, layout.display_name)
+        why = needed.get(key.rsplit(".", 1)[-1])
+        logger.info("metaseq-oneload: %s=%s (was %s): %s", key, new, old,
+                    f"this run needs it ({why})" if why else f"from {layout.display_name}")
+    for key, run, files in kept:
+        logger.info("metaseq-oneload: %s=%s as this run asks (the files hold %s): loaded onto it", key, run, files)
     return changes
 
 

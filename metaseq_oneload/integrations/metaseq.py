@@ -45,7 +45,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from .. import _reading
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError
-from .._hydra import ENV, register_configs, split_argv
+from .._hydra import ENV, CheckpointSettingsError, register_configs, split_argv
 from .._optim import carry_extra_state, rest_source, same_weights_layout
 from .._plan import FlatStructure
 from ._core import (
@@ -403,9 +403,37 @@ def _parse_args_and_arch(parser, input_args=None, *args, **kwargs):
 def _call_main(cfg, main, **kwargs):
     """(every launched process, before distributed init) metaseq's ``call_main`` after
     filling the config's loading settings from the checkpoint the run will load, so that
-    the model-parallel groups and the FSDP wrapping match the files."""
-    fill_from_checkpoint(cfg)
+    the model-parallel groups and the FSDP wrapping match the files (or the sizes the run
+    chose: the engine reshards onto them). A setting that cannot be loaded onto stops the
+    process with its message, on every rank alike (each fills on its own): exit code 2."""
+    try:
+        fill_from_checkpoint(cfg, requires=_model_requires(cfg))
+    except CheckpointSettingsError as e:
+        sys.stderr.write(f"metaseq-oneload: {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
     return _original("metaseq.distributed.utils.call_main")(cfg, main, **kwargs)
+
+
+def _model_requires(cfg: Any) -> dict:
+    """(local) The loading settings the run's model needs to be built, as name -> (value,
+    why): metaseq's model-parallel transformer asserts ``use_sharded_state`` whatever the
+    backend and model-parallel size (under pytorch_ddp it changes nothing on disk)."""
+    model = cfg.get("model") if isinstance(cfg, Mapping) else getattr(cfg, "model", None)
+    arch = None
+    for name in ("arch", "_name"):
+        arch = arch or (model.get(name) if isinstance(model, Mapping) else getattr(model, name, None))
+    if not isinstance(arch, str):
+        return {}
+    try:
+        from metaseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+        from metaseq.models.transformer_lm import ModelParallelTransformerLanguageModel
+    except Exception:  # noqa: BLE001  (another metaseq: nothing known about its models)
+        return {}
+    cls = ARCH_MODEL_REGISTRY.get(arch) or MODEL_REGISTRY.get(arch)
+    if isinstance(cls, type) and issubclass(cls, ModelParallelTransformerLanguageModel):
+        return {"use_sharded_state": (True, f"metaseq's model-parallel transformer (arch {arch}) asserts it when built")}
+    return {}
 
 
 def _generator_load_model(self):

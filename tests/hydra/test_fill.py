@@ -1,5 +1,6 @@
 """Filling metaseq's loading settings from the real checkpoints (no metaseq needed): what is
-filled, what the user gave wins or is refused, which checkpoint a run would load."""
+filled, what the user gave is kept (the run's choices) or refused, what the run's model
+requires, which checkpoint a run would load."""
 
 import argparse
 import os
@@ -70,24 +71,57 @@ def test_agreeing_values_are_fine():
         ("distributed_training.use_sharded_state", False, True)]
 
 
-def test_a_given_value_that_contradicts_the_files_is_an_error():
-    with pytest.raises(CheckpointSettingsError, match=(
-            r"--model-parallel-size 1 \(common\.model_parallel_size\) contradicts .*mp2_ddp/checkpoint_2-model_part-\{0\.\.1\}\.pt: "
-            r"the files hold model_parallel_size=2 \(2 model-parallel part\(s\)\)\. Drop --model-parallel-size to take "
-            r"the files' value, or pass oneload\.strategy=reshard to load onto model_parallel_size=1 anyway\.")):
-        fill_settings(metaseq_cfg(), mo.inspect(FIXTURES / "mp2_ddp"), explicit={"--model-parallel-size"})
+def test_a_given_model_parallel_size_is_the_runs_choice():
+    # auto: the engine reshards onto the run's own model-parallel size; reported in `kept`.
+    cfg, kept = metaseq_cfg(), []
+    changes = fill_settings(cfg, mo.inspect(FIXTURES / "mp2_ddp"), explicit={"--model-parallel-size"}, kept=kept)
+    assert changes == [] and values(cfg) == (1, 1, "pytorch_ddp", False)
+    assert kept == [("common.model_parallel_size", 1, 2)]
 
 
 def test_a_non_default_value_counts_as_given():
-    cfg = metaseq_cfg(common={"model_parallel_size": 4})
-    with pytest.raises(CheckpointSettingsError, match=r"--model-parallel-size 4 .* model_parallel_size=1"):
-        fill_settings(cfg, mo.inspect(FIXTURES / "fsdp_dp3"))
+    cfg, kept = metaseq_cfg(common={"model_parallel_size": 4}), []
+    fill_settings(cfg, mo.inspect(FIXTURES / "fsdp_dp3"), kept=kept)
+    assert cfg.common.model_parallel_size == 4 and kept == [("common.model_parallel_size", 4, 1)]
+    # the backend and sharded state still come from the files
+    assert values(cfg)[2:] == ("fully_sharded", True)
 
 
-def test_backend_that_cannot_load_fsdp_shards():
-    cfg = metaseq_cfg(distributed_training={"ddp_backend": "c10d"})
-    with pytest.raises(CheckpointSettingsError, match=r"--ddp-backend c10d .* ddp_backend=fully_sharded \(FSDP shards, 3 per part\)"):
-        fill_settings(cfg, mo.inspect(FIXTURES / "fsdp_dp3"))
+def test_own_shard_refuses_what_it_cannot_read_as_saved():
+    with pytest.raises(CheckpointSettingsError, match=(
+            r"--model-parallel-size 1 \(common\.model_parallel_size\): oneload\.strategy=own_shard reads the files "
+            r"as they are, and .*mp2_ddp/checkpoint_2-model_part-\{0\.\.1\}\.pt hold model_parallel_size=2 "
+            r"\(2 model-parallel part\(s\)\)\. Drop --model-parallel-size to take the files' value, or use "
+            r"oneload\.strategy=auto to load onto model_parallel_size=1\.")):
+        fill_settings(metaseq_cfg(), mo.inspect(FIXTURES / "mp2_ddp"), explicit={"--model-parallel-size"},
+                      strategy="own_shard")
+
+
+def test_a_given_backend_is_the_runs_choice():
+    # c10d (DDP) trains on FSDP shards: the engine unflattens them for its model.
+    cfg, kept = metaseq_cfg(distributed_training={"ddp_backend": "c10d"}), []
+    assert fill_settings(cfg, mo.inspect(FIXTURES / "fsdp_dp3"), kept=kept) == []
+    assert values(cfg) == (1, 1, "c10d", False)  # DDP cannot save sharded state: not filled either
+    assert kept == [("distributed_training.ddp_backend", "c10d", "fully_sharded")]
+
+
+def test_what_the_model_requires_comes_first():
+    why = "metaseq's model-parallel transformer asserts it"
+    cfg = metaseq_cfg()
+    changes = fill_settings(cfg, mo.inspect(FIXTURES / "mp2_ddp"), requires={"use_sharded_state": (True, why)})
+    assert values(cfg) == (2, 1, "pytorch_ddp", True) and cfg.model.use_sharded_state is True
+    assert changes == [("common.model_parallel_size", 1, 2), ("distributed_training.use_sharded_state", False, True)]
+    # passed by hand (--use-sharded-state): nothing to change, nothing to say
+    cfg = metaseq_cfg(distributed_training={"use_sharded_state": True})
+    assert fill_settings(cfg, mo.inspect(FIXTURES / "mp2_ddp"), explicit={"--use-sharded-state"},
+                         requires={"use_sharded_state": (True, why)}) == [("common.model_parallel_size", 1, 2)]
+    # explicitly off: the run cannot be built
+    with pytest.raises(CheckpointSettingsError, match=(
+            r"distributed_training\.use_sharded_state=False \(--use-sharded-state\): metaseq's model-parallel "
+            r"transformer asserts it, so this run needs use_sharded_state=True; the files \(.*mp2_ddp/"
+            r"checkpoint_2-model_part-\{0\.\.1\}\.pt\) hold unflattened weights, which load either way\.")):
+        fill_settings(metaseq_cfg(), mo.inspect(FIXTURES / "mp2_ddp"),
+                      explicit={"distributed_training.use_sharded_state"}, requires={"use_sharded_state": (True, why)})
 
 
 def test_reshard_lets_the_user_win():
