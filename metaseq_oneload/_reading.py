@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import collections.abc
 import contextlib
 import ctypes
 import functools
@@ -492,25 +491,19 @@ def _storage_refs(data: bytes, path: str) -> list:
 
 # --------------------------------------------------------------------------- the header's tensors
 def _walk_tensors(obj: Any, path: tuple = (), seen: Optional[set] = None):
-    """(dotted name, tensor or storage) for every tensor in dicts, lists, tuples and Namespaces."""
+    """(dotted name, tensor or storage) for every tensor in dicts, lists, tuples and Namespaces
+    (an omegaconf container holds no tensors, and iterating one resolves interpolations)."""
     if seen is None:
         seen = set()
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
         yield ".".join(path), obj
         return
-    if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
-        yield ".".join(path), obj
-        return
-    if isinstance(obj, (dict, list, tuple, argparse.Namespace)) or isinstance(obj, collections.abc.Mapping):
+    if isinstance(obj, (dict, list, tuple, argparse.Namespace)):
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, argparse.Namespace):
-            items = vars(obj).items()
-        elif isinstance(obj, collections.abc.Mapping):
-            items = obj.items()
-        else:
-            items = enumerate(obj)
+        items = (vars(obj).items() if isinstance(obj, argparse.Namespace)
+                 else obj.items() if isinstance(obj, dict) else enumerate(obj))
         for k, v in items:
             yield from _walk_tensors(v, path + (str(k),), seen)
 

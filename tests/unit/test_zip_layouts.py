@@ -274,10 +274,13 @@ def test_inspect_extents_read_what_torch_load_reads(set_dir, layout_name, tmp_pa
     assert n > 0
 
 
-@pytest.mark.parametrize("name", ["metaseq/singleton", "metaseq/fsdp_dp3", "fairseq/mp2"])
-def test_verify_calls_a_restored_copy_identical(name, tmp_path):
+@pytest.mark.parametrize("name, layout_name", [("metaseq/singleton", "zipfile-reordered"),
+                                               ("metaseq/fsdp_dp3", "zip64-central"),
+                                               ("fairseq/mp2", "local-extras"),
+                                               ("metaseq/mp2_dp2", "deflated")])
+def test_verify_calls_a_restored_copy_identical(name, layout_name, tmp_path):
     src = REPO / "tests" / "fixtures" / name
-    restored = _restore_set(src, tmp_path / "copy", LAYOUTS["zipfile-reordered"])
+    restored = _restore_set(src, tmp_path / "copy", LAYOUTS[layout_name])
     report = mo.verify(src, restored)
     assert report.identical and report.match, report.largest(3)
     assert report.elements > 0 and not any(d.mismatched for d in report.diffs)
