@@ -221,3 +221,30 @@ def blind_empty_folder(rank: int, world: int, tmp: str) -> str:
     lc = mo.load_checkpoint(path, process_group=dist.group.WORLD)
     assert_matches_reference(lc.model, reference_weights())
     return lc.report.strategy
+
+
+def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=()) -> list:
+    """Every named corpus set onto this world and model-parallel size: the rank's part
+    equals Megatron's split of an independent reading of the set (tests/corpus.py), and,
+    for ``flat_ids``, its FSDP flat shard equals fairscale's own sharding."""
+    from tests.corpus import assert_same, by_id, canonical, full_weights, fused, split
+
+    dp, mpg, dp_rank, mp_rank, w = make_groups(rank, world, mp_size)
+    out = []
+    for ident in ids:
+        e = by_id(ident)
+        want = split(full_weights(e), mp_rank, mp_size)
+        for flat in (False, True) if ident in flat_ids else (False,):
+            what = f"{ident} flat={flat} (world {world}, mp {mp_size}, rank {rank})"
+            md = None if (not flat or e.expect["flat"]) else target_metadata(mp_size)
+            lc = mo.load_checkpoint(e.path, process_group=dp, model_parallel_group=mpg, flat=flat,
+                                    shard_metadata=md, verify=True)
+            try:
+                if flat:
+                    check_flat(lc.model, lc.shard_metadata, fused(want), dp, dp_rank, w)
+                else:
+                    assert_same(canonical(lc.model), want, what=what)
+            except AssertionError as err:
+                raise AssertionError(f"{what}: {err}") from err
+            out.append([ident, flat, lc.report.strategy, lc.report.bytes_read, lc.report.verified])
+    return out

@@ -1,0 +1,28 @@
+"""The whole conformance corpus onto worlds 1..4 and model-parallel sizes 1 and 2, on real
+gloo ranks, one process group per world loading every set: each rank's part equals
+Megatron's split of an independent reading of the files (tests/corpus.py), exactly, with
+verify=True; metaseq sets also as FSDP flat shards (fairscale's own sharding)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.corpus import entries
+from tests.distributed.harness import run_ranks
+from tests.distributed.workers import load_corpus
+
+ALL = entries()
+# Model parallel 2 where the model has a Megatron form: metaseq's model, and fairseq's
+# Megatron sets (fairseq's plain transformer_lm has no model-parallel twin to load into).
+MP2 = [e.id for e in ALL if e.family == "metaseq" or e.mp > 1]
+FLAT = {e.id for e in ALL if e.family == "metaseq"}
+
+
+@pytest.mark.parametrize("world,mp_size", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)])
+def test_corpus_onto_any_world(tmp_path, world, mp_size):
+    ids = [e.id for e in ALL] if mp_size == 1 else MP2
+    results = run_ranks(world, load_corpus, mp_size, ids, FLAT, tmp_path=tmp_path, timeout=400)
+    rows = results[0]
+    assert {r[0] for r in rows} == set(ids)
+    assert all(r[4] for r in rows)  # verify=True passed everywhere
+    assert all(len(r) == len(rows) for r in results)
