@@ -23,6 +23,7 @@ rejects PEP 604 unions. Nothing here imports torch at module level; the layout d
 calls does, when a checkpoint is actually read.
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -525,16 +526,33 @@ def source_tree_configs() -> bool:
     return True
 
 
+@contextlib.contextmanager
 def _initialize(config_module: str):
     """hydra.initialize_config_module, with version_base=None (this Hydra's own defaults,
-    no upgrade warnings) where Hydra has the argument (>= 1.2)."""
+    no upgrade warnings) where Hydra has the argument (>= 1.2). Hydra keeps version_base
+    process-wide after the block; it is put back, because fairseq 0.12.2
+    (``convert_namespace_to_omegaconf``) calls ``hydra.experimental.initialize``, which
+    raises once it is >= 1.2."""
     import inspect as _inspect
 
     from hydra import initialize_config_module
 
-    if "version_base" in _inspect.signature(initialize_config_module).parameters:
-        return initialize_config_module(config_module=config_module, version_base=None)
-    return initialize_config_module(config_module=config_module)
+    try:
+        from hydra.version import VersionBase
+    except ImportError:  # Hydra < 1.2: no version_base
+        VersionBase = None
+    instance = VersionBase.instance() if VersionBase is not None else None
+    saved = instance.version_base if instance is not None else None
+    try:
+        if "version_base" in _inspect.signature(initialize_config_module).parameters:
+            context = initialize_config_module(config_module=config_module, version_base=None)
+        else:
+            context = initialize_config_module(config_module=config_module)
+        with context:
+            yield
+    finally:
+        if instance is not None:
+            instance.version_base = saved
 
 
 def compose_oneload(overrides: Sequence[str]) -> OneloadConfig:
