@@ -392,21 +392,24 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _storage_dtype(cls: Any) -> Optional[torch.dtype]:
-    if not (isinstance(cls, tuple) and len(cls) == 3 and cls[0] == "global" and cls[1] == "torch"):
+    if not (isinstance(cls, tuple) and len(cls) == 3 and cls[0] == "global"):
         return None
-    return _storage_class_dtype(cls[2])
+    return _storage_class_dtype(cls[1], cls[2])
 
 
 @functools.lru_cache(maxsize=None)
-def _storage_class_dtype(name: str) -> Optional[torch.dtype]:
-    """torch.FloatStorage -> torch.float32 (the names torch.save writes in a persistent id)."""
-    if name == "UntypedStorage":
-        return torch.uint8
-    if not name.endswith("Storage"):
+def _storage_class_dtype(module: str, name: str) -> Optional[torch.dtype]:
+    """torch.FloatStorage -> torch.float32, torch.storage.UntypedStorage -> torch.uint8: the
+    classes torch.save names in a persistent id (bytes of dtypes without a typed class, e.g.
+    float8 or uint16, are saved untyped)."""
+    if module not in ("torch", "torch.storage") or not name.endswith("Storage"):
         return None
     with warnings.catch_warnings():  # the typed storage classes are deprecated, not their names
         warnings.simplefilter("ignore")
-        dtype = getattr(getattr(torch, name, None), "dtype", None)
+        cls = getattr(torch if module == "torch" else torch.storage, name, None)
+        if cls is torch.UntypedStorage:
+            return torch.uint8
+        dtype = getattr(cls, "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
@@ -495,7 +498,11 @@ def _walk_tensors(obj: Any, path: tuple = (), seen: Optional[set] = None):
     (an omegaconf container holds no tensors, and iterating one resolves interpolations)."""
     if seen is None:
         seen = set()
-    if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+    if isinstance(obj, torch.Tensor):
+        if obj.layout == torch.strided:  # sparse tensors are read whole, like legacy files
+            yield ".".join(path), obj
+        return
+    if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
         yield ".".join(path), obj
         return
     if isinstance(obj, (dict, list, tuple, argparse.Namespace)):
