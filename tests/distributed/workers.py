@@ -248,3 +248,16 @@ def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=()) -> list:
                 raise AssertionError(f"{what}: {err}") from err
             out.append([ident, flat, lc.report.strategy, lc.report.bytes_read, lc.report.verified])
     return out
+
+
+def absurd_set_error(rank: int, world: int, folder: str) -> dict:
+    """Every rank loads a folder whose names claim a million shards: all must fail fast,
+    with a short message."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        mo.load_state_dict(folder, process_group=dist.group.WORLD)
+    except mo.OneloadError as e:
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - t0}
+    raise AssertionError(f"rank {rank}: the load did not fail")
