@@ -25,6 +25,7 @@ calls does, when a checkpoint is actually read.
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import importlib.util
 import os
@@ -40,6 +41,9 @@ from ._errors import CheckpointNotFoundError, OneloadError
 __all__ = [
     "RESOLVER",
     "STRATEGIES",
+    "OneloadSchema",
+    "OneloadStrategy",
+    "register_schema",
     "SETTINGS",
     "OneloadConfig",
     "CheckpointSettingsError",
@@ -94,6 +98,8 @@ class OneloadConfig:
     fill_cfg: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.strategy, enum.Enum):  # as composed through OneloadSchema
+            self.strategy = self.strategy.value
         if self.strategy not in STRATEGIES:
             hint = ""
             if str(self.strategy).lower() in ("false", "true"):
@@ -112,6 +118,44 @@ class OneloadConfig:
         return self.strategy != "off"
 
 
+# The values of oneload.strategy as an Enum, for OmegaConf: a composed value outside them is
+# refused by Hydra at compose time, naming the allowed ones. A str Enum, so that an app
+# reading cfg.oneload.strategy can still compare it with "broadcast".
+OneloadStrategy = enum.Enum("OneloadStrategy", [(s, s) for s in STRATEGIES], type=str, module=__name__)
+OneloadStrategy.__str__ = lambda self: self.value  # f"{strategy}" reads "auto", as in the YAML
+
+
+def _schema_field(f: "dataclasses.Field") -> tuple:
+    if f.name == "strategy":
+        return f.name, OneloadStrategy, field(default=OneloadStrategy(f.default))
+    return f.name, f.type, field(default=f.default)
+
+
+# The group's schema as Hydra sees it: OneloadConfig's fields, types and defaults (derived,
+# so the two cannot drift), with strategy an Enum. OmegaConf checks types and allowed values
+# wherever the group is composed (the group's YAML pulls it in, see register_schema);
+# OneloadConfig's __post_init__ checks the rest (bucket_mb > 0) in to_config.
+OneloadSchema = dataclasses.make_dataclass(
+    "OneloadSchema", [_schema_field(f) for f in dataclasses.fields(OneloadConfig)])
+OneloadSchema.__module__ = __name__  # make_dataclass(module=) is Python 3.12+
+OneloadSchema.__doc__ = "The typed node of the ``oneload`` group (fields as in :class:`OneloadConfig`)."
+# The ConfigStore name the group's YAML files list first in their defaults.
+SCHEMA_NAME = "oneload_schema"
+
+
+def register_schema() -> None:
+    """(any rank, local) Store :data:`OneloadSchema` in Hydra's ConfigStore as
+    ``oneload_schema``, which every option of the ``oneload`` group starts from, so that its
+    values are type-checked in any app, YAML or structured. Idempotent. Called when Hydra
+    imports the group's package (``metaseq_oneload.hydra_configs``), and by
+    :func:`register_configs`."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    if cs.repo.get(f"{SCHEMA_NAME}.yaml") is None:
+        cs.store(name=SCHEMA_NAME, node=OneloadSchema)
+
+
 def to_config(node: Any) -> OneloadConfig:
     """(local) A checked :class:`OneloadConfig` from a composed ``oneload`` node, a mapping,
     an existing config or None (the defaults)."""
@@ -122,6 +166,7 @@ def to_config(node: Any) -> OneloadConfig:
     from omegaconf import DictConfig, OmegaConf
 
     data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    data = {k: v.value if isinstance(v, enum.Enum) else v for k, v in data.items()}
     known = {f.name for f in dataclasses.fields(OneloadConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -465,14 +510,14 @@ def clear_cache() -> None:
 @functools.lru_cache(maxsize=None)
 def extend_schema(base: type) -> type:
     """(local) ``base`` (a structured-config dataclass such as metaseq's ``MetaseqConfig``)
-    plus an optional ``oneload: OneloadConfig`` node, so that ``+oneload=...`` composes onto
-    it in struct mode and ``oneload.*`` overrides are type-checked. Cached: the same base
-    always gives the same class."""
+    plus an optional ``oneload: OneloadSchema`` node, so that ``+oneload=...`` composes onto
+    it in struct mode and ``oneload.*`` overrides are type-checked (``strategy`` against its
+    allowed values). Cached: the same base always gives the same class."""
     if dataclasses.is_dataclass(base) and "oneload" in {f.name for f in dataclasses.fields(base)}:
         return base
     return dataclasses.make_dataclass(
         f"{base.__name__}WithOneload",
-        [("oneload", Optional[OneloadConfig], field(default=None))],
+        [("oneload", Optional[OneloadSchema], field(default=None))],
         bases=(base,),
     )
 
@@ -492,6 +537,7 @@ def register_configs(base: Optional[type] = None, name: str = "base_config") -> 
     from hydra.core.config_store import ConfigStore
 
     register_resolver()
+    register_schema()
     cs = ConfigStore.instance()
     cs.store(name=_ROOT_NAME, node=extend_schema(_Root))
     if base is not None:
@@ -564,7 +610,8 @@ def compose_oneload(overrides: Sequence[str]) -> OneloadConfig:
 
     Raises:
         hydra.errors.ConfigCompositionException (or another Hydra error): an unknown option,
-            a typo such as ``oneload.bogus=1``, a value of the wrong type.
+            a typo such as ``oneload.bogus=1``, a value of the wrong type
+            (``oneload.bucket_mb=abc``) or outside the allowed ones (``oneload.strategy=fast``).
         ValueError: a value the schema's checks refuse (e.g. ``oneload.bucket_mb=0``).
     """
     from hydra import compose as hydra_compose
@@ -574,8 +621,17 @@ def compose_oneload(overrides: Sequence[str]) -> OneloadConfig:
     overrides = list(overrides)
     if not any(_GROUP_TOKEN.match(o) for o in overrides):
         overrides.insert(0, "+oneload=auto")
+    from hydra.errors import ConfigCompositionException
+
     with _initialize(CONFIG_MODULE):
-        cfg = hydra_compose(config_name=_ROOT_NAME, overrides=overrides)
+        try:
+            cfg = hydra_compose(config_name=_ROOT_NAME, overrides=overrides)
+        except ConfigCompositionException as e:
+            # Hydra says which override failed and keeps why in the cause; callers print
+            # str(e) (the start-up hook's warning), so carry both in one message.
+            if type(e) is not ConfigCompositionException or e.__cause__ is None:
+                raise
+            raise ConfigCompositionException(f"{e}: {e.__cause__}") from e.__cause__
     return to_config(cfg.oneload)
 
 
