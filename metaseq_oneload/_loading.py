@@ -574,7 +574,17 @@ def _progress_bar(enabled, total: int, rank: int):
     from tqdm import tqdm
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="oneload", leave=False)
-    return bar.update, bar
+    return bar.update, _logging_through(bar)
+
+
+@contextlib.contextmanager
+def _logging_through(bar):
+    """The bar, with console log records written through it (tqdm.write) while it shows:
+    a line logged mid-read would otherwise break it on a terminal."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with bar, logging_redirect_tqdm():
+        yield bar
 
 
 def _problems(dp: Group, mp: Group) -> Optional[str]:
@@ -686,11 +696,12 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
 
         # 3. Read.
         total = sum(w.out.numel() * w.out.element_size() for w in wants)
+        # Logged before the bar appears: a line printed under it would break it.
+        if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
+            logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
         progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
         sums: dict = {}
         mode, all_ranges, error = strategy, None, None
-        if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
-            logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
         with bar:
             if strategy == "broadcast":
                 whole = len(wants) == sum(1 for t in targets.values() if t.alias_of is None) and all(
