@@ -7,8 +7,10 @@ Three ways in, from cheapest to dearest:
   is read. This is all that layout discovery needs, so inspecting a 2 GB shard costs about
   what a 2 MB one does.
 * :class:`RangeReader` reads byte ranges straight into destination tensors with
-  ``os.preadv``: torch's zip archives store every storage uncompressed at a known offset,
-  so a rank can take exactly the bytes it needs, and nothing else lands in its memory.
+  ``os.preadv``: torch's zip archives store every storage uncompressed in one record, whose
+  place :func:`read_header` finds in the archive itself and checks against the pickle, so a
+  rank can take exactly the bytes it needs, and nothing else lands in its memory. A read
+  outside every storage record is refused, whatever computed it.
 * :func:`load_object` is a full ``torch.load(mmap=True)`` for the rare data that is not a
   plain tensor range (legacy-format files, optimizer state, metaseq's full state dicts).
 
@@ -663,6 +665,14 @@ def _torch_load(path: str, *, trust_pickle: bool, **kwargs) -> Any:
                 f"{path}: truncated or corrupted torch checkpoint ({msg.splitlines()[0]}). "
                 "Copy the file again from its source."
             ) from None
+        if any(s in msg for s in ("not resizable", "does not match expected size", "out of bounds for storage",
+                                  "wrong byte size")):
+            # where the header could not tie every tensor to its record (legacy files, a
+            # tensor in a container the header walk does not enter), torch's own check speaks
+            raise CheckpointLayoutError(
+                f"{path}: a tensor's header and its stored bytes disagree ({msg.splitlines()[0]}); "
+                "the file is damaged or was edited: copy it again from its source."
+            ) from e
         raise
 
 

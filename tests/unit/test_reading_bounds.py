@@ -157,6 +157,18 @@ def test_a_tensor_reaching_past_its_storage_is_refused(src, key, geometry, tmp_p
         refused(lambda: mo.convert(folder, out / "converted", model_parallel=1), bad, pattern)
 
 
+def test_a_legacy_file_with_a_tensor_past_its_storage_is_refused(tmp_path):
+    """Pre-1.6 files are read whole by torch; its own size check speaks, as our error."""
+    folder = _set_copy(SINGLETON, tmp_path)
+    obj = torch.load(SINGLETON, map_location="cpu", weights_only=False)
+    t = obj["model"]["decoder.layers.0.fc1.weight"]
+    bad = folder / SINGLETON.name
+    with saved_as(t, (t.shape[0] + 1, t.shape[1]), t.stride(), 0):
+        torch.save(obj, bad, _use_new_zipfile_serialization=False)
+    for call in (lambda: mo.inspect(folder), lambda: mo.load_state_dict(folder)):
+        refused(call, bad, r"a tensor's header and its stored bytes disagree")
+
+
 # --------------------------------------------------------------------------- 11: absurd counts
 def _with_storage_numel(pkl: bytes, numel: int) -> bytes:
     """The pickle with the element count of its first storage reference replaced: the int
