@@ -308,3 +308,13 @@ def test_every_dtype_view_and_tie_torch_save_writes(tmp_path):
         dst = tmp_path / f"{layout}.pt"
         write(src, dst)
         assert assert_engine_bytes_match(dst, ref, in_place=layout in IN_PLACE) == n, layout
+
+
+def test_convert_of_a_restored_set_equals_the_source(tmp_path):
+    src = REPO / "tests" / "fixtures" / "metaseq" / "mp2_dp2"
+    restored = _restore_set(src, tmp_path / "copy", LAYOUTS["zip64-central"])
+    out = tmp_path / "out"
+    out.mkdir()
+    mo.convert(restored, out / "checkpoint_2", model_parallel=1, shards=1, progress=False)
+    report = mo.verify(src, out)
+    assert report.match and report.elements > 0, report.largest(3)
