@@ -8,6 +8,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -233,3 +234,41 @@ def test_importtime_of_help_has_no_torch():
     assert r.returncode == 0 and "usage: metaseq-oneload" in r.stdout
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "metaseq_oneload.cli" in imported and "torch" not in imported
+
+
+# --------------------------------------------------------------------------- README, sdist
+
+REPO_URL = "https://github.com/metaseq-oneload/metaseq-oneload"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_readme_links_work_off_github():
+    """PyPI renders README.md without the repository around it: every link is absolute, and
+    each one into the repository names a file (and heading) that exists."""
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        assert link.startswith("https://"), link
+        if not link.startswith(REPO_URL + "/blob/main/"):
+            continue
+        path, _, anchor = link[len(REPO_URL + "/blob/main/"):].partition("#")
+        assert (REPO / path).is_file(), link
+        if anchor:
+            headings = [line.lstrip("#").strip() for line in (REPO / path).read_text().splitlines()
+                        if line.startswith("#")]
+            assert anchor in {_slug(h) for h in headings}, link
+
+
+def test_project_urls_use_the_same_repository():
+    meta = _setup_cfg()["metadata"]
+    assert meta["url"].strip() == REPO_URL
+    urls = [line.split("=", 1)[1].strip() for line in meta["project_urls"].strip().splitlines()]
+    assert urls and all(u.startswith(REPO_URL) for u in urls)
+    assert "MIT" in meta["license"] and "Permission is hereby granted" in (REPO / "LICENSE").read_text()
+    assert (REPO / "CHANGELOG.md").read_text().startswith("# Changelog")

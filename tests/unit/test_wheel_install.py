@@ -29,7 +29,9 @@ pytestmark = pytest.mark.wheel
 
 # What a wheel is built from (setup.cfg's packages and package data, setup.py's start-up hook).
 SOURCES = ("setup.cfg", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md",
-           "metaseq_oneload.pth", "metaseq_oneload", "hydra_configs", "hydra_plugins")
+           "metaseq_oneload.pth", "metaseq_oneload", "hydra_configs", "hydra_plugins",
+           # and what the sdist carries besides
+           "docs", "examples", "Makefile", "requirements-dev.txt")
 
 
 class _Metadata(importlib.metadata.Distribution):
@@ -128,7 +130,7 @@ def wheel_env(tmp_path_factory):
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     outside = tmp / "elsewhere"  # a working directory outside the repository
     outside.mkdir()
-    return {"wheel": wheel, "venv": venv, "python": python, "site": site, "env": env, "cwd": outside}
+    return {"wheel": wheel, "venv": venv, "python": python, "site": site, "env": env, "cwd": outside, "src": src}
 
 
 def _run(env, *cmd):
@@ -192,3 +194,20 @@ def test_no_top_level_hydra_configs_package(wheel_env):
     assert not (wheel_env["site"] / "hydra_configs").exists()
     r = _run(wheel_env, wheel_env["python"], "-c", "import importlib.util; print(importlib.util.find_spec('hydra_configs'))")
     assert r.stdout.strip() == "None"
+
+
+def test_sdist_carries_docs_examples_license_and_changelog(wheel_env, tmp_path):
+    code = ("import sys; from setuptools import build_meta; "
+            "print(build_meta.build_sdist(sys.argv[1]))")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       cwd=wheel_env["src"])
+    assert r.returncode == 0, r.stderr
+    import tarfile
+
+    with tarfile.open(tmp_path / r.stdout.strip().splitlines()[-1]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for path in ("LICENSE", "CHANGELOG.md", "README.md", "docs/hydra.md", "docs/metaseq/README.md",
+                 "examples/fsdp_t5/README.md", "examples/fsdp_t5/T5_training.py", "examples/demo.py",
+                 "hydra_configs/oneload/auto.yaml", "metaseq_oneload/py.typed", "metaseq_oneload.pth"):
+        assert path in names, path
+    assert not [n for n in names if "__pycache__" in n]
