@@ -10,29 +10,122 @@ then the model-parallel group (two hops cover the whole grid) and raises
 :class:`~metaseq_oneload._errors.DistributedLoadError` on every rank if any rank failed.
 Inside the broadcast loop the reader announces each bucket with a status word first, so a
 reader that fails mid-stream releases the receivers instead of leaving them waiting.
+
+Two failures no exchange can carry, because a rank is not there to take part:
+
+* a rank that never reaches the load (its caller caught an error and went on): every load
+  starts with :func:`arrive`, a check-in through the group's store with its own timeout
+  (``arrival_timeout``, default :data:`DEFAULT_ARRIVAL_TIMEOUT` seconds, not the process
+  group's 30 minutes), after which every rank that arrived raises, naming those that did not;
+* a rank that dies mid-load: the backend's own error (gloo's "Connection closed by peer")
+  becomes a :class:`DistributedLoadError` that names the step and, where this host can
+  tell, the rank whose process is gone (:meth:`Group.guard`).
+
+Messages carried between ranks are clipped (:data:`MESSAGE_CAP` characters a rank) and lists
+in them capped, so a failure costs what a success costs, not seconds of megabyte messages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
 import json
-from typing import Optional, Sequence
+import logging
+import os
+import socket
+import time
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._errors import DistributedLoadError
+from ._errors import DistributedLoadError, OneloadError, cap_list
 
-__all__ = ["Group", "PeerFailure", "settle", "first_failure"]
+__all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "arrival_timeout", "clip",
+           "ARRIVAL_TIMEOUT_ENV", "DEFAULT_ARRIVAL_TIMEOUT", "MESSAGE_CAP"]
+
+logger = logging.getLogger("metaseq_oneload")
+
+ARRIVAL_TIMEOUT_ENV = "METASEQ_ONELOAD_ARRIVAL_TIMEOUT"
+# Long enough for ranks that build their model at different speeds, short enough that a
+# rank which never comes does not hold the job for the process group's 30 minutes.
+DEFAULT_ARRIVAL_TIMEOUT = 300.0
+# Characters of one rank's message that travel to the others (the local error keeps all of
+# it as the cause).
+MESSAGE_CAP = 2000
+_KEY = "oneload/arrival"
+_GRACE = 1.0  # seconds a lost peer on this host has to finish ending before it is looked for
+
+
+def clip(text: str, limit: int = MESSAGE_CAP) -> str:
+    """``text``, cut to ``limit`` characters with a note of how many were left out."""
+    return text if len(text) <= limit else f"{text[:limit]} ... ({len(text) - limit} more characters)"
+
+
+def arrival_timeout(value: Optional[float] = None) -> float:
+    """Seconds the first collective of a load waits for every rank: ``value``, else the
+    ``METASEQ_ONELOAD_ARRIVAL_TIMEOUT`` environment variable, else the default."""
+    source = "arrival_timeout"
+    if value is None:
+        raw = os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_ARRIVAL_TIMEOUT
+        source = ARRIVAL_TIMEOUT_ENV
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{ARRIVAL_TIMEOUT_ENV}={raw!r}: expected a number of seconds.") from None
+    if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{source}={value!r}: expected a positive number of seconds.")
+    return float(value)
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` (Linux), so a reused pid is not taken for the rank."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields and fields[0] in ("Z", "X"):  # a zombie is gone, only not yet reaped
+        return None
+    return fields[19] if len(fields) > 19 else None
+
+
+def _whoami() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+
+
+def _gone(info: dict) -> bool:
+    """Whether the process a rank recorded at check-in has ended (this host only)."""
+    if info.get("host") != socket.gethostname():
+        return False
+    pid = int(info.get("pid", -1))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    start = _start_time(pid)
+    return start is None or (info.get("start") is not None and start != info["start"])
 
 
 class Group:
     """(all ranks of ``group``) One process group, or none.
 
     ``device`` is where collective buffers must live: CUDA for NCCL groups, CPU otherwise.
+    ``role`` names the group in messages ("data-parallel"); :meth:`at` says what the load is
+    doing, for the message a lost rank produces.
     """
 
-    def __init__(self, group: Optional["dist.ProcessGroup"]):
+    def __init__(self, group: Optional["dist.ProcessGroup"], role: str = "process"):
         self.group = group
+        self.role = role
+        self.step = "loading"
+        self._arrival: Optional[str] = None  # store key of this load's check-in
         self.active = group is not None and dist.is_available() and dist.is_initialized()
         if self.active:
             if dist.get_rank(group) < 0:
@@ -55,12 +148,83 @@ class Group:
             return (self.global_rank,)
         return tuple(dist.get_process_group_ranks(self.group))
 
+    def at(self, step: str) -> None:
+        """Record what the load is doing now (named if a rank is lost during it)."""
+        self.step = step
+
+    # -- communication, each call guarded: a lost peer becomes a DistributedLoadError
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """(local) Turn a backend error inside the block (a peer died, a connection was reset,
+        the backend timed out) into a :class:`DistributedLoadError` naming the step and,
+        where this host can tell, the lost rank; the backend's error is the cause."""
+        try:
+            yield
+        except OneloadError:
+            raise
+        except RuntimeError as e:
+            raise self._lost(e) from e
+
+    def _lost(self, exc: BaseException) -> DistributedLoadError:
+        members = self.members()
+        gone = self._gone_ranks(members)
+        cause = clip(f"{type(exc).__name__}: {exc}", 500)
+        where = f"of the {self.role} group [{cap_list(members)}]"
+        if gone:
+            who = (f"rank {cap_list(sorted(gone))} {where} is gone (its process ended)" if len(gone) == 1 else
+                   f"ranks {cap_list(sorted(gone))} {where} are gone (their processes ended)")
+        else:
+            who = (f"lost contact with a rank {where} (killed, crashed or unreachable; no rank on this host "
+                   "is known to be gone)")
+        failures = {r: f"lost during {self.step}" for r in sorted(gone)}
+        return DistributedLoadError(
+            f"{self.step}: {who}. Rank {self.global_rank} stops here, as does every rank still running; a "
+            "process group cannot be used again once a rank is lost: restart the job (torchrun restarts every "
+            f"rank). Backend error: {cause}", failures)
+
+    def _gone_ranks(self, members: Sequence[int]) -> list:
+        """Ranks whose process, recorded at this load's check-in on this host, has ended."""
+        store = self._store()
+        if store is None or self._arrival is None:
+            return []
+        gone = []
+        try:
+            old = store.timeout
+            store.set_timeout(datetime.timedelta(seconds=5))  # the store's host may be the lost one
+        except Exception:
+            old = None
+        try:
+            here = socket.gethostname()
+            infos = {}
+            for r in members:
+                key = f"{self._arrival}/r{r}"
+                if r != self.global_rank and store.check([key]):
+                    info = json.loads(store.get(key))
+                    if info.get("host") == here:
+                        infos[r] = info
+            # The peer's sockets close before its process has ended: give it a moment.
+            deadline = time.monotonic() + _GRACE
+            while infos:
+                gone = [r for r, info in infos.items() if _gone(info)]
+                if gone or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        except Exception as e:  # noqa: BLE001  (the store went with the lost rank)
+            logger.debug("oneload: could not tell which rank was lost: %s", e)
+        finally:
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    store.set_timeout(old)
+        return gone
+
     def all_max(self, value: int) -> int:
         """(collective) The largest ``value`` over the group."""
         if not self.active or self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with self.guard():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def global_of(self, local_rank: int) -> int:
@@ -71,23 +235,24 @@ class Group:
         group's device when the tensor lives elsewhere."""
         if not self.active or self.size == 1:
             return
-        if tensor.device == self.device:
-            dist.broadcast(tensor, src=self.global_of(src), group=self.group)
-            return
-        staged = tensor.to(self.device)
-        dist.broadcast(staged, src=self.global_of(src), group=self.group)
-        tensor.copy_(staged)
+        staged = tensor if tensor.device == self.device else tensor.to(self.device)
+        with self.guard():
+            dist.broadcast(staged, src=self.global_of(src), group=self.group)
+        if staged is not tensor:
+            tensor.copy_(staged)
 
     def broadcast_bytes(self, payload: Optional[bytes], src: int = 0) -> bytes:
         """(collective) ``payload`` from local rank ``src`` to everyone."""
         if not self.active or self.size == 1:
             return payload or b""
         n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(n, src=self.global_of(src), group=self.group)
+        with self.guard():
+            dist.broadcast(n, src=self.global_of(src), group=self.group)
         buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if self.rank == src
                else torch.empty(int(n.item()), dtype=torch.uint8, device=self.device))
         if int(n.item()):
-            dist.broadcast(buf, src=self.global_of(src), group=self.group)
+            with self.guard():
+                dist.broadcast(buf, src=self.global_of(src), group=self.group)
         return bytes(buf.cpu().numpy().tobytes()) if self.rank != src else payload
 
     def all_gather_bytes(self, payload: bytes) -> list:
@@ -96,17 +261,137 @@ class Group:
             return [payload]
         n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(n) for _ in range(self.size)]
-        dist.all_gather(sizes, n, group=self.group)
+        with self.guard():
+            dist.all_gather(sizes, n, group=self.group)
         longest = max(int(s.item()) for s in sizes)
         buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         if payload:
             buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         out = [torch.empty_like(buf) for _ in range(self.size)]
-        dist.all_gather(out, buf, group=self.group)
+        with self.guard():
+            dist.all_gather(out, buf, group=self.group)
         return [bytes(o[: int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
     def all_gather_json(self, obj) -> list:
         return [json.loads(b) for b in self.all_gather_bytes(json.dumps(obj).encode())]
+
+    # -- arrival
+
+    def _store(self):
+        """The store every member of the group reaches (the group's, else the default one)."""
+        if not self.active:
+            return None
+        for get in (lambda: self.group.get_group_store(), lambda: dist.distributed_c10d._get_default_store()):
+            try:
+                store = get()
+            except Exception:  # noqa: BLE001  (older torch, a backend without one)
+                continue
+            if store is not None:
+                return store
+        return None
+
+    def check_in(self, timeout: float, prior: Optional[dict]) -> Optional[dict]:
+        """(all ranks of the group, collective through the store) Wait at most ``timeout``
+        seconds for every member to arrive. ``prior`` is this rank's failure from an earlier
+        group's check-in, passed on so that this group's members stop too. Returns the
+        failure this rank must raise ({"message", "failures"}), or None.
+
+        Check-ins are numbered by a counter in the store, bumped when one resolves (all
+        arrived, or one rank gave up waiting): a rank that skipped a load meets the others
+        at their next one, and one that comes after they gave up is told so, never left
+        waiting inside a collective.
+        """
+        store = self._store() if self.size > 1 else None
+        if store is None:
+            return prior
+        members = self.members()
+        base = f"{_KEY}/{self.role}/{hashlib.sha1(repr(members).encode()).hexdigest()[:16]}"
+        gen = store.add(f"{base}/gen", 0)
+        key = f"{base}/{gen}"
+        self._arrival = key
+        me = str(self.global_rank)
+        store.set(f"{key}/r{me}", json.dumps(_whoami()))
+        if prior is not None:
+            store.compare_set(f"{key}/why", "", json.dumps(prior))
+        arrived = store.add(f"{key}/n", 1)
+        state = None
+        if arrived >= self.size:
+            state = self._resolve(store, base, gen, "ok")
+        else:
+            try:
+                store.wait([f"{key}/state"], datetime.timedelta(seconds=timeout))
+            except Exception:  # noqa: BLE001  (the store's own timeout error)
+                missing = [r for r in members if not store.check([f"{key}/r{r}"])]
+                state = self._resolve(store, base, gen, json.dumps({"missing": missing}))
+        if state is None:
+            state = store.get(f"{key}/state").decode()
+        if state == "ok":
+            if prior is None and store.check([f"{key}/why"]):
+                return json.loads(store.get(f"{key}/why"))
+            return prior
+        missing = json.loads(state)["missing"]
+        where = f"of the {self.role} group [{cap_list(members)}]"
+        if self.global_rank in missing:
+            message = (f"rank {me} arrived after the other ranks {where} had stopped waiting for it "
+                       f"(arrival_timeout={timeout:g}s); every rank stopped this load.")
+        else:
+            previous = [r for r in self._previous_missing(store, base, gen) if r in missing]
+            late = (f" Rank(s) {cap_list(previous)} also missed the previous load's check-in: are they one load "
+                    "behind?" if previous else "")
+            message = (f"rank{'s' if len(missing) > 1 else ''} {cap_list(missing)} {where} did not arrive within "
+                       f"arrival_timeout={timeout:g}s (failed before the load and went on, or still busy); every "
+                       "rank that arrived stops here. If ranks legitimately reach the load this far apart, raise "
+                       f"arrival_timeout= (or {ARRIVAL_TIMEOUT_ENV}).{late}")
+        return prior or {"message": message, "failures": {str(r): "never arrived" for r in missing}}
+
+    def _resolve(self, store, base: str, gen: int, value: str) -> str:
+        """Decide check-in ``gen`` once: the first rank to claim it bumps the counter, then
+        publishes ``value``; returns what was published (by whichever rank won)."""
+        key = f"{base}/{gen}"
+        me = str(self.global_rank)
+        if store.compare_set(f"{key}/claim", "", me).decode() == me:
+            store.add(f"{base}/gen", 1)
+            store.set(f"{key}/state", value)
+            if value == "ok" and gen > 0:
+                self._forget(store, f"{base}/{gen - 1}")
+            return value
+        store.wait([f"{key}/state"], datetime.timedelta(seconds=60))
+        return store.get(f"{key}/state").decode()
+
+    def _forget(self, store, key: str) -> None:
+        """Delete the keys of a check-in every member has left behind (all arrived at the next)."""
+        try:
+            for r in self.members():
+                store.delete_key(f"{key}/r{r}")
+            for k in ("n", "claim", "state", "why"):
+                store.delete_key(f"{key}/{k}")
+        except Exception:  # noqa: BLE001  (a store without delete: the keys stay, harmless)
+            pass
+
+    @staticmethod
+    def _previous_missing(store, base: str, gen: int) -> list:
+        if gen == 0 or not store.check([f"{base}/{gen - 1}/state"]):
+            return []
+        state = store.get(f"{base}/{gen - 1}/state").decode()
+        return [] if state == "ok" else json.loads(state)["missing"]
+
+
+def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
+    """(all ranks of every group, collective through the stores) Every rank of the grid
+    has reached this load within ``timeout`` seconds, or every rank that did raises
+    :class:`DistributedLoadError` naming the ranks that did not.
+
+    The groups check in one after another, each passing on an earlier group's failure, so a
+    rank missing from one data-parallel group stops the model-parallel neighbours too.
+    """
+    failure = None
+    for g in groups:
+        if g.active and g.size > 1:
+            g.at(f"{what}: checking in")
+            failure = g.check_in(timeout, failure)
+    if failure is not None:
+        raise DistributedLoadError(f"{what}: {failure['message']}",
+                                   {int(r): m for r, m in failure["failures"].items()})
 
 
 class PeerFailure(Exception):
@@ -115,9 +400,10 @@ class PeerFailure(Exception):
 
 def first_failure(group: Group, error: Optional[BaseException]) -> Optional[BaseException]:
     """(collective over ``group``) This rank's error, or, if another rank of the group
-    failed, an error saying so; None when all went well. Never raises: a section that only
-    one data-parallel group runs (its broadcast loop) uses it to stop in step, and carries
-    the error to the next :func:`settle`, which every rank of the grid reaches."""
+    failed, an error saying so; None when all went well. Raises only if the group itself
+    fails (a lost rank, :meth:`Group.guard`): a section that only one data-parallel group
+    runs (its broadcast loop) uses it to stop in step, and carries the error to the next
+    :func:`settle`, which every rank of the grid reaches."""
     if not group.active or group.size == 1:
         return error
     if group.all_max(0 if error is None else 1) and error is None:
@@ -129,27 +415,32 @@ def settle(groups: Sequence[Group], error: Optional[BaseException], what: str) -
     """(collective over every group given) Raise on every rank if any rank failed.
 
     ``error`` is this rank's failure in the phase just ended (None if it went well). With
-    no active group the original error is re-raised unchanged.
+    no active group the original error is re-raised unchanged. Each rank's message travels
+    clipped to :data:`MESSAGE_CAP` characters; the raised message lists the first few ranks.
     """
     active = [g for g in groups if g.active and g.size > 1]
     if not active:
         if error is not None:
             raise error
         return
+    for g in active:
+        g.at(what)
     me = active[0].global_rank
     failures: dict = {}
     # A rank that only learned of another's failure (first_failure) adds nothing itself.
     if error is not None and not isinstance(error, PeerFailure):
-        failures[str(me)] = f"{type(error).__name__}: {error}"
+        failures[str(me)] = clip(f"{type(error).__name__}: {error}")
     for g in active:
         for gathered in g.all_gather_json(failures):
             failures.update(gathered)
     if not failures:
         return
     ranks = sorted(int(r) for r in failures)
-    lines = "\n".join(f"  rank {r}: {failures[str(r)]}" for r in ranks)
+    shown = 8
+    lines = "\n".join(f"  rank {r}: {failures[str(r)]}" for r in ranks[:shown])
+    if len(ranks) > shown:
+        lines += f"\n  ... and {len(ranks) - shown} more rank(s)"
     raise DistributedLoadError(
-        f"{what} failed on {len(ranks)} rank(s) ({', '.join(map(str, ranks))}); every rank stops here.\n"
-        f"{lines}",
+        f"{what} failed on {len(ranks)} rank(s) ({cap_list(ranks)}); every rank stops here.\n{lines}",
         {r: failures[str(r)] for r in ranks},
     ) from (None if isinstance(error, PeerFailure) else error)

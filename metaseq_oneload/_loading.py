@@ -42,8 +42,9 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._dist import Group, PeerFailure, first_failure, settle
-from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
+from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle
+from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
+                      cap_list)
 from ._layout import CheckpointLayout, StoredTensor
 from .formats import discover
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
@@ -120,8 +121,10 @@ class _Options:
     rules: Optional[Mapping] = None
     dtype: Optional[torch.dtype] = None
     progress: "Optional[bool] | Callable[[int], None]" = None
+    arrival_timeout: Optional[float] = None  # seconds; None: $METASEQ_ONELOAD_ARRIVAL_TIMEOUT or 300
 
     def __post_init__(self):
+        object.__setattr__(self, "arrival_timeout", arrival_timeout(self.arrival_timeout))
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}.")
         if not self.bucket_mb > 0 or not self.chunk_mb > 0:
@@ -258,6 +261,11 @@ def _own_shard_fits(layout: CheckpointLayout, mp_size: int, world: int, flat: bo
     return True, "the saved layout matches the world: each rank reads its own file"
 
 
+def _listing(items: Sequence[str], n: int = 4) -> str:
+    """Per-rank findings for a message: the first ``n``, then a count."""
+    return "; ".join(items[:n]) + (f" ... and {len(items) - n} more" if len(items) > n else "")
+
+
 def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLayout], mp_size: int,
             world: int, flat: bool, dp: Group) -> tuple:
     """(strategy, reason). Every rank of a data-parallel group computes the same answer
@@ -266,7 +274,7 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
     if broken:
         raise CheckpointLayoutError(
             "the checkpoint is damaged as some ranks see it: "
-            + "; ".join(f"rank {info['rank']}: {info['err']}" for info in broken)
+            + _listing([f"rank {info['rank']}: {info['err']}" for info in broken])
         )
     blind = [i for i, info in enumerate(infos) if not info["ok"]]
     if not infos[0]["ok"]:
@@ -278,11 +286,11 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
     if len(fps) > 1:
         odd = [f"rank {info['rank']}: {info['desc']}" for info in infos if info["ok"]]
         raise CheckpointLayoutError(
-            "the ranks see different checkpoint files (" + "; ".join(odd) + "). Every rank must see the "
+            "the ranks see different checkpoint files (" + _listing(odd) + "). Every rank must see the "
             "same files (or none, with strategy='broadcast'); sync the folder or fix the path."
         )
     if blind:
-        who = ", ".join(f"rank {infos[i]['rank']}" for i in blind)
+        who = "rank" + ("s " if len(blind) > 1 else " ") + cap_list([infos[i]["rank"] for i in blind])
         if opts.strategy in ("auto", "broadcast"):
             return "broadcast", f"{who} cannot see the files; data-parallel rank 0 reads and broadcasts"
         raise CheckpointLayoutError(
@@ -363,7 +371,9 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
     error = first_failure(dp, error)
     if error is not None:
         return error, sums
-    for is_direct, entries in schedule:
+    step = dp.step
+    for k, (is_direct, entries) in enumerate(schedule):
+        dp.at(f"{step} (broadcast, bucket {k + 1} of {len(schedule)})")
         if is_direct:
             e = entries[0]
             views = [by_name[e.name][0].out[e.start: e.start + e.length]]
@@ -471,10 +481,13 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
     if error is not None:
         return error, ranges
     tag = 0
-    for _, entries in _schedule(targets, opts.bucket_bytes, direct=False):
+    step = dp.step
+    schedule = _schedule(targets, opts.bucket_bytes, direct=False)
+    for b, (_, entries) in enumerate(schedule):
         pieces = _pieces(entries, ranges)
         if not pieces:
             continue
+        dp.at(f"{step} (scatter, bucket {b + 1} of {len(schedule)})")
         views = _bucket_views(bucket, entries, targets) if dp.rank == 0 else None
         def read(entries=entries, views=views):
             for e, v in zip(entries, views):
@@ -510,16 +523,17 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
         if dp.all_max(0 if error is None else 1):
             break
         handles = []
-        for k, (i, r, lo, hi, _) in enumerate(pieces):
-            if dp.rank == 0 and r != 0:
-                e = entries[i]
-                handles.append(dist.isend(views[i][lo - e.start: hi - e.start], dst=dp.global_of(r),
-                                          group=dp.group, tag=tag + k))
-            elif k in posts:
-                handles.append(dist.irecv(posts[k], src=dp.global_of(0), group=dp.group, tag=tag + k))
-        tag += len(pieces)
-        for h in handles:
-            h.wait()
+        with dp.guard():
+            for k, (i, r, lo, hi, _) in enumerate(pieces):
+                if dp.rank == 0 and r != 0:
+                    e = entries[i]
+                    handles.append(dist.isend(views[i][lo - e.start: hi - e.start], dst=dp.global_of(r),
+                                              group=dp.group, tag=tag + k))
+                elif k in posts:
+                    handles.append(dist.irecv(posts[k], src=dp.global_of(0), group=dp.group, tag=tag + k))
+            tag += len(pieces)
+            for h in handles:
+                h.wait()
         if dp.rank != 0:
             try:
                 for out, tmp in landing:
@@ -592,8 +606,8 @@ def _problems(dp: Group, mp: Group) -> Optional[str]:
     if dp.active and mp.active and dp.size > 1 and mp.size > 1:
         shared = set(dp.members()) & set(mp.members())
         if shared != {dp.global_rank}:
-            return (f"the data-parallel group {list(dp.members())} and the model-parallel group "
-                    f"{list(mp.members())} share ranks {sorted(shared)}; they must meet in this rank only "
+            return (f"the data-parallel group [{cap_list(dp.members())}] and the model-parallel group "
+                    f"[{cap_list(mp.members())}] share ranks [{cap_list(sorted(shared))}]; they must meet in this rank only "
                     "(pass process_group=<data-parallel group>, model_parallel_group=<model-parallel group>)")
     return None
 
@@ -604,6 +618,11 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     (layout or None, targets, structure, report)."""
     t0 = time.perf_counter()
     groups = (dp, mp)
+    # 0. Everyone is here: a rank that failed before the load (and lives on) must not leave
+    # the others in a collective until the process group's timeout. Before discovery, which
+    # may take each rank a different while on a slow file system.
+    name = path.display_name if isinstance(path, CheckpointLayout) else path
+    arrive(groups, opts.arrival_timeout, f"loading {name}")
     # 1. Discover, then agree on what everyone sees and asks for.
     layout, err = None, None
     try:
@@ -621,12 +640,14 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         "ok": layout is not None,
         "blind": isinstance(err, CheckpointNotFoundError),
         "fp": layout.fingerprint() if layout is not None else None,
-        "err": None if err is None else f"{type(err).__name__}: {err}",
+        "err": None if err is None else clip(f"{type(err).__name__}: {err}"),
         "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
         "mp_rank": mp.rank,
         "asked": asked,
         "problem": _problems(dp, mp),
     }
+    for g in groups:
+        g.at(f"loading {path}: agreeing on the checkpoint")
     dp_infos = dp.all_gather_json(info) if dp.active else [info]
     mp_infos = mp.all_gather_json(info) if mp.active else [info]
     strategy, reason, error = None, "", None
@@ -644,16 +665,16 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         if len({i["mp_rank"] for i in dp_infos}) > 1:
             raise ValueError(
                 "the ranks of this data-parallel group hold different model-parallel parts "
-                f"({sorted({(i['rank'], i['mp_rank']) for i in dp_infos})}): process_group must join ranks that hold "
+                f"({cap_list(sorted({(i['rank'], i['mp_rank']) for i in dp_infos}))}): process_group must join ranks that hold "
                 "the same part (Megatron's data-parallel group), model_parallel_group the parts of one replica.")
         if err is not None and isinstance(err, (OneloadError, OSError)) and all(not i["ok"] for i in dp_infos):
             raise err
         strategy, reason = _choose(opts, dp_infos, layout, mp.size, dp.size, flat, dp)
         readers = {i["fp"] for i in mp_infos if i["ok"]}
         if len(readers) > 1:
+            seen = [f"rank {i['rank']}: {i['desc']}" for i in mp_infos if i["ok"]]
             raise CheckpointLayoutError(
-                "ranks of different model-parallel parts see different checkpoint files ("
-                + "; ".join(f"rank {i['rank']}: {i['desc']}" for i in mp_infos if i["ok"]) + ")."
+                "ranks of different model-parallel parts see different checkpoint files (" + _listing(seen) + ")."
             )
     except Exception as e:
         error = e
@@ -675,6 +696,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         settle(groups, error, f"loading {path}: planning")
         error = None
         if strategy == "broadcast":
+            dp.at(f"loading {path}: sending the targets from the reader")
             payload = None
             if dp.rank == 0:
                 try:
@@ -702,6 +724,8 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
         sums: dict = {}
         mode, all_ranges, error = strategy, None, None
+        for g in groups:
+            g.at(f"loading {path}: reading")
         with bar:
             if strategy == "broadcast":
                 whole = len(wants) == sum(1 for t in targets.values() if t.alias_of is None) and all(
@@ -727,6 +751,8 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         # 4. Verify against torch's own reading of the same files.
         verified = False
         if opts.verify:
+            for g in groups:
+                g.at(f"loading {path}: verifying")
             error = _verify(dp, strategy, mode, targets, wants, sums, all_ranges, reader, opts)
             settle(groups, error, f"loading {path}: verifying")
             verified = True
@@ -830,7 +856,7 @@ def _direct_capable(w: Want, targets: Mapping[str, TargetTensor], dp: Group) -> 
 
 
 def _groups(process_group, model_parallel_group) -> tuple:
-    return Group(process_group), Group(model_parallel_group)
+    return Group(process_group, "data-parallel"), Group(model_parallel_group, "model-parallel")
 
 
 def load_checkpoint(
@@ -850,11 +876,13 @@ def load_checkpoint(
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int], None]" = None,
+    arrival_timeout: Optional[float] = None,
 ) -> LoadedCheckpoint:
     """(collective over the groups given) Like :func:`load_state_dict`, returning the
     state dict with its ``shard_metadata``, the layout and a :class:`LoadReport`."""
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
-                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress)
+                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress,
+                    arrival_timeout=arrival_timeout)
     dp, mp = _groups(process_group, model_parallel_group)
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     meta: dict = {}
@@ -914,6 +942,7 @@ def load_state_dict(
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int], None]" = None,
+    arrival_timeout: Optional[float] = None,
 ) -> "OrderedDict[str, torch.Tensor]":
     """(collective over the groups given) This rank's part of any checkpoint's weights.
 
@@ -944,13 +973,19 @@ def load_state_dict(
         trust_pickle: unpickle without the allowlist. Unsafe: runs code from the file.
         progress: show a progress bar (default: on a terminal, rank 0, loads >= 256 MiB), or
             a callable that receives the number of bytes after each piece lands.
+        arrival_timeout: seconds every rank waits, at the start, for the others to reach the
+            load (default: ``$METASEQ_ONELOAD_ARRIVAL_TIMEOUT``, else 300). A rank that never
+            comes (it failed earlier and went on) makes every rank that did raise
+            :class:`DistributedLoadError` naming it, instead of waiting in a collective for
+            the process group's timeout.
 
     Returns:
         An ``OrderedDict`` of tensors (with ``.shard_metadata`` when ``flat=True``).
 
     Raises:
         CheckpointLayoutError: bad files (single process), see :func:`inspect`.
-        DistributedLoadError: on every rank, when any rank failed.
+        DistributedLoadError: on every rank, when any rank failed, did not arrive within
+            ``arrival_timeout``, or was lost mid-load (the backend's error is the cause).
         StateDictMismatchError: the requested target does not fit the checkpoint.
 
     Example::
@@ -961,7 +996,7 @@ def load_state_dict(
     return load_checkpoint(path, process_group=process_group, model_parallel_group=model_parallel_group,
                            flat=flat, strategy=strategy, shard_metadata=shard_metadata, bucket_mb=bucket_mb,
                            chunk_mb=chunk_mb, verify=verify, dtype=dtype, device=device, qkv=qkv, rules=rules,
-                           trust_pickle=trust_pickle, progress=progress).model
+                           trust_pickle=trust_pickle, progress=progress, arrival_timeout=arrival_timeout).model
 
 
 # --------------------------------------------------------------------------- load_into
@@ -1030,6 +1065,7 @@ def load_into(
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int], None]" = None,
+    arrival_timeout: Optional[float] = None,
 ) -> LoadReport:
     """(collective over the groups given) Fill ``module``'s parameters and buffers in place.
 
@@ -1042,6 +1078,7 @@ def load_into(
     Keys and shapes are checked before anything is written: with ``strict`` a missing,
     unexpected or wrongly shaped tensor raises :class:`StateDictMismatchError` naming the
     first few; without it, only wrongly shaped ones do and the rest is skipped.
+    Other arguments as for :func:`load_state_dict` (``arrival_timeout`` included).
 
     Returns:
         The :class:`LoadReport` (strategy, bytes read, time).
@@ -1064,7 +1101,8 @@ def load_into(
     if qkv is None:
         qkv = qkv_naming(entries)
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
-                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress)
+                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress,
+                    arrival_timeout=arrival_timeout)
     dp, mp = _groups(process_group, model_parallel_group)
     post: list = []
     unloaded: list = []

@@ -2,7 +2,8 @@
 
 ``run_ranks(world, fn, *args)`` runs ``fn(rank, world, *args)`` on every rank and returns
 the per-rank results (JSON-able). Any rank's exception fails the test with every rank's
-traceback; a rank still alive after ``timeout`` seconds fails it as a hang.
+traceback; a rank still alive after ``timeout`` seconds fails it as a hang. Ranks in
+``may_die`` (a test that kills them) may end without a result: theirs is None.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _worker(rank, world, init_file, out_dir, fn, args, timeout):
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, tmp_path, timeout: float = 120) -> list:
+def run_ranks(world: int, fn, *args, tmp_path, timeout: float = 120, may_die=()) -> list:
     out_dir = tmp_path / f"ranks-{world}-{fn.__name__}"
     out_dir.mkdir(parents=True, exist_ok=True)
     init_file = out_dir / "store"
@@ -55,7 +56,10 @@ def run_ranks(world: int, fn, *args, tmp_path, timeout: float = 120) -> list:
     for r in range(world):
         path = out_dir / f"rank{r}.json"
         if not path.exists():
-            errors.append(f"rank {r}: exited with code {procs[r].exitcode} without a result")
+            if r in may_die:
+                results.append(None)
+            else:
+                errors.append(f"rank {r}: exited with code {procs[r].exitcode} without a result")
             continue
         res = json.loads(path.read_text())
         if not res["ok"]:
