@@ -777,6 +777,9 @@ def convert(
         if conv.shared_reader is not None:
             conv.shared_reader.close()
     notes = list(conv.notes) + [f"source: {w}" for w in layout.warnings]
+    index_problem = _write_index([o.path for o in outs], format)
+    if index_problem:
+        notes.append(index_problem)
     return ConvertReport(
         src=layout.display_name,
         source=f"{layout.model_parallel_size}x{layout.shards_per_part} {'flat' if layout.flat else 'unflattened'}",
@@ -797,6 +800,23 @@ def convert(
         notes=tuple(notes),
         removed=tuple(stale) + tuple(outputs.removed),
     )
+
+
+def _write_index(files: Sequence[str], format: str) -> Optional[str]:
+    """Leave the index of a torch-format output beside it (formats/_index), so that loads
+    of it read no header; None when written, else why not (the output is complete without
+    one)."""
+    if format != "torch" or not files:
+        return None
+    from .formats import _index
+
+    try:
+        written = discover(files[0])
+        save = read_header(files[0]).get("oneload_save")
+        _index.write(written, save_id=save.get("save_id") if isinstance(save, Mapping) else None)
+    except Exception as e:  # the checkpoint itself is written and complete
+        return f"no index written beside the output ({type(e).__name__}: {e}); loads read the headers instead"
+    return None
 
 
 def consolidate(src: "str | os.PathLike", dst: "str | os.PathLike", **kwargs) -> ConvertReport:

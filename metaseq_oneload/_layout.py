@@ -185,6 +185,8 @@ class CheckpointLayout:
     # The model's hyper-parameters where the format keeps them outside the pickles (a Hugging
     # Face folder's config.json); None means "read them from the first file's header".
     config: Optional[Mapping] = field(default=None, compare=False, hash=False)
+    # The index file this description was read from (None: read from the headers).
+    index: Optional[str] = field(default=None, compare=False)
 
     @property
     def model_parallel_size(self) -> int:
@@ -302,6 +304,7 @@ class CheckpointLayout:
                 "distributed_training.distributed_world_size": self.cfg.distributed_world_size,
             },
             "stale_metadata": list(self.stale_metadata),
+            "index": self.index,
             "warnings": list(self.warnings),
         }
 

@@ -647,10 +647,17 @@ class TorchSet:
         return self.headers[self.files[0][0].path]
 
 
-def read_set(path: str, *, trust_pickle: bool = False) -> TorchSet:
-    """(local) Resolve ``path`` to one complete grid of files and read their headers."""
+def resolve_grid(path: str) -> tuple:
+    """(local) ``path`` resolved to one complete grid of files, from names alone:
+    (file set, parsed name, [part][shard] of paths)."""
     fs = _resolve_set(os.fspath(path))
     name, grid = _check_grid(fs)
+    return fs, name, grid
+
+
+def read_set(path: str, *, trust_pickle: bool = False, resolved: Optional[tuple] = None) -> TorchSet:
+    """(local) Resolve ``path`` to one complete grid of files and read their headers."""
+    fs, name, grid = resolved or resolve_grid(path)
     paths = [p for row in grid for p in row]
     if trust_pickle:
         headers = {p: read_header(p, trust_pickle=True) for p in paths}
@@ -702,8 +709,3 @@ def build_parts(ts: TorchSet) -> tuple:
     return parts, built[0][1], stale
 
 
-def claims(path: str) -> bool:
-    """Whether ``path`` names ``.pt`` files by the grammar (a folder, a file, a link, a glob,
-    or the un-suffixed name of a set): the torch families' detectors start here."""
-    path = os.fspath(path)
-    return bool(glob.has_magic(path) or os.path.isdir(path) or path.endswith(".pt") or os.path.lexists(path))

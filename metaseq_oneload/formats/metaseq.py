@@ -9,12 +9,13 @@ warning), which saves the files belong to, and which of the two libraries wrote 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
 from .._errors import CheckpointLayoutError, cap_list
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get
-from . import _torchsave
+from . import _index, _torchsave
 
 NAME = "metaseq"
 
@@ -26,8 +27,21 @@ def detect(path: str) -> bool:
 
 
 def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
-    """(any rank, local) The layout of the metaseq/fairseq set ``path`` belongs to."""
-    ts = _torchsave.read_set(path, trust_pickle=trust_pickle)
+    """(any rank, local) The layout of the metaseq/fairseq set ``path`` belongs to: from the
+    index our writers leave beside a set when it agrees with the files, else from the
+    headers."""
+    resolved = _torchsave.resolve_grid(path)
+    fs, _, grid = resolved
+    indexed, stale_index = _index.load(fs.directory, fs.prefix, grid, trust_pickle=trust_pickle)
+    if indexed is not None:
+        return dataclasses.replace(indexed, aliases=fs.aliases)
+    layout = _from_headers(_torchsave.read_set(path, trust_pickle=trust_pickle, resolved=resolved), trust_pickle)
+    if stale_index:
+        layout = dataclasses.replace(layout, warnings=layout.warnings + (stale_index,))
+    return layout
+
+
+def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLayout:
     files = ts.files
     # Mixed saves: every file of one save carries the same update count and position.
     run_ids = {f.path: _run_id(ts.headers[f.path]) for row in files for f in row}
