@@ -136,8 +136,11 @@ def tiny_t5(folder):
     """A small flan-t5 shaped T5 (gated-gelu), written by save_pretrained as on the Hub."""
     config = T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
                       num_heads=4, feed_forward_proj="gated-gelu", decoder_start_token_id=0)
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(config).save_pretrained(folder)
+    # Its own random stream: the first run (which builds the model on rank 0) and every later
+    # run (which finds it saved) then train from the same RNG state, with the same dropout.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        T5ForConditionalGeneration(config).save_pretrained(folder)
 
 
 def mixed_precision(args):
