@@ -70,7 +70,7 @@ def explain_structured_refusal() -> bool:
     def compose(self, defaults, *args, **kwargs):
         try:
             return original(self, defaults, *args, **kwargs)
-        except ConfigCompositionException as e:
+        except Exception as e:  # Hydra >= 1.2 wraps OmegaConf's ConfigKeyError; 1.1 lets it through
             found = _REFUSAL.search(str(e))
             if found is None:
                 raise
