@@ -173,7 +173,7 @@ def _file_kind(path: str) -> str:
 
 
 # --------------------------------------------------------------------------- the archive
-# torch (2.4 and later) does not read a storage's place in the file when it unpickles onto
+# Recent torch (2.13 here) does not read a storage's place in the file when it unpickles onto
 # ``meta``: it computes it, assuming the archive was written by torch's own writer (miniz:
 # records in key order, a 16- or 24-byte data descriptor after each, local headers padded to
 # ``.storage_alignment`` with a fixed extra field). A valid zip written any other way (re-
@@ -472,7 +472,8 @@ def _storage_refs(data: bytes, path: str) -> list:
                     raise ValueError(f"unexpected persistent id {pid!r}")
                 _, cls, key, _, numel = pid
                 dtype = _storage_dtype(cls)
-                if dtype is None or not isinstance(numel, int) or not isinstance(key, str):
+                key = str(key) if isinstance(key, (str, int)) else None  # torch reads data/{key}
+                if dtype is None or not isinstance(numel, int) or key is None:
                     raise ValueError(f"unexpected storage reference {pid!r}")
                 ref = _StorageRef(key, dtype, numel)
                 if refs.setdefault(key, ref) != ref:
@@ -529,8 +530,8 @@ def _storage_keys(found: list, refs: list, index: ZipIndex) -> Optional[dict]:
     """id(untyped storage) -> the key of its record, or None where the header cannot tell.
 
     torch marks each meta storage with ``_checkpoint_offset`` only: the record's true data
-    offset (torch before 2.4, or a file without ``.format_version``), or one computed in
-    first-use order, strictly increasing (torch 2.4 and later). Both readings are tried;
+    offset (older torch, or a file without ``.format_version``), or one computed in
+    first-use order, strictly increasing (recent torch, 2.13 here). Both readings are tried;
     one is used only when it is consistent (every storage matched, sizes agree) and the
     other, if also consistent, agrees with it.
     """

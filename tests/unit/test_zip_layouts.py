@@ -131,7 +131,7 @@ def restore_zip64_central(src, dst) -> None:
 LAYOUTS = {
     "zipfile": restore_zipfile,
     "zipfile-reordered": lambda s, d: restore_zipfile(s, d, reverse=True),
-    # as torch before 2.4 wrote it: without .format_version torch's meta load reports each
+    # as older torch wrote it: without .format_version torch's meta load reports each
     # record's true offset instead of computing one
     "no-format-version": lambda s, d: restore_zipfile(s, d, reverse=True, drop=(".format_version",)),
     "zip64-local": restore_zip64_local,
