@@ -25,6 +25,16 @@ File names (``P`` the destination prefix)::
     flat (FSDP shards, any M x N)      P-model_part-{m}-shard{d}.pt   what metaseq writes and loads
     unflattened, M > 1                 P-model_part-{m}.pt           metaseq's model-parallel parts
     unflattened, 1 x 1                 P.pt                          a consolidated checkpoint
+
+Every file of one output set carries the same save identity, so that files of two saves at
+the same step cannot be mixed into one load unnoticed: a top-level key of the checkpoint dict
+(``SAVE_KEY``)::
+
+    "oneload_save": {"save_id": "<uuid4 hex, one per output set>", "parts": M, "shards": N}
+
+(safetensors outputs: in the JSON sidecar, and as a JSON string under the same key in the
+file's ``__metadata__``). An unflattened output of a bare state dict stays bare and carries
+none (its report's notes say so).
 """
 
 from __future__ import annotations
@@ -34,13 +44,14 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
-import errno
+import json
 import math
 import os
 import re
 import shutil
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -56,8 +67,8 @@ from ._optim import (OptimizerPlan, carry_extra_state, flat_pieces, plan_optimiz
 from ._plan import FlatGroup, FlatStructure, TargetTensor, flat_shard_range, plan_part
 from ._reading import RangeReader, load_object, read_header
 from ._verify import TensorDiff, VerifyReport, verify
-from ._writing import (Cancelled, ConversionError, OutputExistsError, OutputSet, Piece, Record, progress_bar,
-                       storage_key, write_json, write_safetensors, write_torch)
+from ._writing import (Cancelled, ConversionError, OutputExistsError, OutputSet, Piece, Record, destination_error,
+                       progress_bar, storage_key, write_json, write_safetensors, write_torch)
 
 __all__ = [
     "ConvertReport",
@@ -76,6 +87,7 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float1
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 _SIDECAR_FORMAT = "metaseq-oneload/safetensors-sidecar/1"
+SAVE_KEY = "oneload_save"
 _MiB = 1 << 20
 # One job holds its write buffer, the reader's dtype staging and a row block of a
 # row-parallel weight: three chunks at most.
@@ -322,6 +334,9 @@ class _Conversion:
         self.M, self.N, self.flat, self.fmt = model_parallel, shards, flat, fmt
         self.trust_pickle = trust_pickle
         self.notes: list = []
+        # One identity for every file of this output set, so that discovery can tell it from
+        # files of another save at the same step (SAVE_KEY in the module docstring).
+        self.save = {"save_id": uuid.uuid4().hex, "parts": model_parallel, "shards": shards}
         self._lock = threading.Lock()
         self._objects: dict = {}
         # Sources that cannot be range-read (legacy, compressed) are read whole: through one
@@ -486,8 +501,10 @@ class _Conversion:
         model, records, entries, tied = self._model(m, d)
         meta = self.structures[m].shard_metadata(d, self.N) if self.flat else None
         if not isinstance(src, Mapping) or not isinstance(src.get("model"), Mapping):
-            obj = {"model": model, "shard_metadata": meta} if self.flat else model  # a bare state dict stays bare
-            return obj, records, entries, tied, meta
+            if not self.flat:  # a bare state dict stays bare: no key of its own to carry the identity
+                self._note(f"the output is a bare state dict, as its source: it carries no {SAVE_KEY} save identity")
+                return model, records, entries, tied, meta
+            return {"model": model, "shard_metadata": meta, SAVE_KEY: dict(self.save)}, records, entries, tied, meta
         obj: dict = {}
         for k, v in src.items():
             if k == "model":
@@ -505,8 +522,14 @@ class _Conversion:
                 obj[k] = v
         if self.flat:
             obj["shard_metadata"] = meta
+        obj[SAVE_KEY] = dict(self.save)  # this set's, never the source's (a source we wrote has one)
         _truthful(obj, model_parallel=self.M, shards=self.N, flat=self.flat, part=m, shard=d)
         return obj, records, entries, tied, meta
+
+    def _note(self, note: str) -> None:
+        with self._lock:
+            if note not in self.notes:
+                self.notes.append(note)
 
     def sidecar(self, m: int, d: int, obj: Any, tied: Mapping, path: str) -> dict:
         """The JSON written next to a safetensors file: which file, ties, and every other key."""
@@ -522,6 +545,7 @@ class _Conversion:
             "flat": self.flat,
             "tied": dict(tied),
             **{k: _jsonable(v) for k, v in rest.items()},
+            SAVE_KEY: dict(self.save),  # also for a bare state dict, which cannot carry it itself
         }
 
     def total_bytes(self) -> int:
@@ -577,23 +601,21 @@ class _Conversion:
                 _fill(target, buf, start, reader)
 
             obj, records, entries, tied, meta = self.build(out.part, out.shard)
-            tmp = outputs.temp(out.path)
+            tmp = outputs.temp(out.path)  # a ConversionError of its own if the folder refuses
             try:
                 if self.fmt == "torch":
                     n = write_torch(tmp, obj, records, fill, chunk_bytes=chunk_bytes, progress=progress,
                                     cancel=cancel, trust_pickle=self.trust_pickle)
                 else:
-                    metadata = {"format": "pt", "metaseq_oneload": os.path.basename(out.sidecar)}
+                    metadata = {"format": "pt", "metaseq_oneload": os.path.basename(out.sidecar),
+                                SAVE_KEY: json.dumps(self.save, sort_keys=True)}
                     n = write_safetensors(tmp, entries, metadata, fill, chunk_bytes=chunk_bytes, progress=progress,
                                           cancel=cancel)
                     write_json(outputs.temp(out.sidecar), self.sidecar(out.part, out.shard, obj, tied, out.path))
             except OSError as e:
                 if isinstance(e, OneloadError):
                     raise
-                hint = ("the disk is full: free space or choose another folder" if e.errno == errno.ENOSPC
-                        else "check the destination folder's permissions and free space")
-                raise ConversionError(f"{out.path}: cannot write ({e.strerror or e}); {hint}. Nothing was "
-                                      "written under a final name.") from e
+                raise destination_error(out.path, e) from e
             return n, reader.bytes_read - before
 
 
@@ -714,38 +736,42 @@ def convert(
     finals = [o.path for o in outs] + [o.sidecar for o in outs if o.sidecar]
     protected = [f.path for f in layout.all_files] + [os.path.join(layout.directory, a) for a in layout.aliases]
     outputs = OutputSet(finals, overwrite=overwrite, protected=protected,
-                        replaces=_older_members(prefix, finals))
+                        replaces=_older_members(prefix, finals), lock=prefix)
     conv = _Conversion(layout, model_parallel=M, shards=N, flat=flat, fmt=format, drop_optimizer=drop_optimizer,
                        dtype=dtype, qkv=qkv, wrapping=_wrapping_metadata(wrapping, trust_pickle),
                        trust_pickle=trust_pickle)
-    outputs.check()  # after planning: a request that cannot be met leaves no empty folder behind
-    budget = _parse_budget(memory_budget) or (1 << 30)
-    chunk = max(1 << 20, int(chunk_mb * _MiB))
-    if budget < _CHUNKS_PER_JOB * chunk:
-        chunk = max(1 << 16, budget // _CHUNKS_PER_JOB)
-    n_jobs = max(1, min(int(jobs) if jobs else (os.cpu_count() or 1), len(outs), budget // (_CHUNKS_PER_JOB * chunk)))
-    if conv.read_whole:
-        # One job and one reader for all outputs: each whole-read source file is loaded once.
-        n_jobs = 1
-        conv.shared_reader = RangeReader(chunk_bytes=chunk, trust_pickle=trust_pickle)
-        if not any("read whole" in n for n in conv.notes):
-            conv.notes.append("source files that cannot be range-read (legacy or compressed format) are read "
-                              "whole, once: one job")
-    stale = outputs.clean_stale()
-    total_bytes, total_tensors = conv.total_bytes(), conv.total_tensors()
-    reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
-    free = shutil.disk_usage(os.path.dirname(prefix)).free
-    if total_bytes - reclaimed > free:
-        raise ConversionError(
-            f"{os.path.dirname(prefix)}: the output needs about {total_bytes / (1 << 30):.2f} GiB and the disk has "
-            f"{free / (1 << 30):.2f} GiB free; nothing was written. Free space or choose another folder."
-        )
-    callback, close_bar = progress_bar(progress, total_bytes, total_tensors, "convert")
     written = read = 0
     cancel = threading.Event()
     futures: list = []
     pending: set = set()
+    close_bar = lambda: None  # noqa: E731
+    budget = _parse_budget(memory_budget) or (1 << 30)
+    # After planning: a request that cannot be met leaves no empty folder behind. From here
+    # to the commit the destination's lock is held (abort lets it go).
+    outputs.check()
     try:
+        chunk = max(1 << 20, int(chunk_mb * _MiB))
+        if budget < _CHUNKS_PER_JOB * chunk:
+            chunk = max(1 << 16, budget // _CHUNKS_PER_JOB)
+        n_jobs = max(1, min(int(jobs) if jobs else (os.cpu_count() or 1), len(outs),
+                            budget // (_CHUNKS_PER_JOB * chunk)))
+        if conv.read_whole:
+            # One job and one reader for all outputs: each whole-read source file is loaded once.
+            n_jobs = 1
+            conv.shared_reader = RangeReader(chunk_bytes=chunk, trust_pickle=trust_pickle)
+            if not any("read whole" in n for n in conv.notes):
+                conv.notes.append("source files that cannot be range-read (legacy or compressed format) are read "
+                                  "whole, once: one job")
+        stale = outputs.clean_stale()
+        total_bytes, total_tensors = conv.total_bytes(), conv.total_tensors()
+        reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
+        free = shutil.disk_usage(os.path.dirname(prefix)).free
+        if total_bytes - reclaimed > free:
+            raise ConversionError(
+                f"{os.path.dirname(prefix)}: the output needs about {total_bytes / (1 << 30):.2f} GiB and the disk has "
+                f"{free / (1 << 30):.2f} GiB free; nothing was written. Free space or choose another folder."
+            )
+        callback, close_bar = progress_bar(progress, total_bytes, total_tensors, "convert")
         with concurrent.futures.ThreadPoolExecutor(max_workers=n_jobs, thread_name_prefix="oneload-convert") as pool:
             try:
                 futures = [pool.submit(conv.write, o, outputs, chunk, callback, cancel) for o in outs]
@@ -768,16 +794,17 @@ def convert(
                 written += w
                 read += r
         outputs.commit()
+        index_problem = _write_index([o.path for o in outs], format)  # still under the destination's lock
     except BaseException:
         cancel.set()
         outputs.abort()
         raise
     finally:
+        outputs.release()
         close_bar()
         if conv.shared_reader is not None:
             conv.shared_reader.close()
-    notes = list(conv.notes) + [f"source: {w}" for w in layout.warnings]
-    index_problem = _write_index([o.path for o in outs], format)
+    notes = list(conv.notes) + list(outputs.notes) + [f"source: {w}" for w in layout.warnings]
     if index_problem:
         notes.append(index_problem)
     return ConvertReport(

@@ -19,13 +19,22 @@ file or a link there first) and :class:`OutputSet` renames them only when all ar
 so an interruption, ``kill -9`` included, leaves no file at any final name. The host and pid
 in the name let a later run remove what a dead process of the same host left, and nothing
 that another host (shared storage) is still writing.
+
+Two conversions to the same names never both succeed: an :class:`OutputSet` holds a lock on
+``.PREFIX.oneload-lock`` (``flock``: released by the kernel when its holder dies) from the
+existence check to the last rename, and without ``overwrite`` each final name is taken by a
+hard link, which fails if the name exists, so not even a writer outside this package is
+replaced. Errors of the destination (permissions, a read-only or full file system) are
+:class:`ConversionError` saying what to do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import re
@@ -59,6 +68,7 @@ __all__ = [
     "stale_temps",
     "remove_stale_temps",
     "source_clash",
+    "destination_error",
 ]
 
 _DATA_RECORD = re.compile(r"/data/\d+$")
@@ -523,6 +533,33 @@ def source_clash(path: str, sources: Iterable[str]) -> Optional[str]:
 # --------------------------------------------------------------------------- output set
 
 
+def _cap_names(paths: Sequence[str], n: int = 4) -> str:
+    names = [os.path.basename(p) for p in paths]
+    return ", ".join(names[:n]) + (f" ... and {len(names) - n} more" if len(names) > n else "")
+
+
+def destination_error(path: str, e: OSError, doing: str = "cannot write") -> "ConversionError":
+    """The :class:`ConversionError` for an ``OSError`` of the destination: what failed, why,
+    and what to do (``raise destination_error(...) from e``)."""
+    if isinstance(e, ConversionError):
+        return e
+    if e.errno in (errno.EACCES, errno.EPERM):
+        hint = "permission denied: choose a folder you can write to, or make this one writable for you"
+    elif e.errno == errno.EROFS:
+        hint = "the file system is read-only: choose a destination on a writable one"
+    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = "the disk (or your quota) is full: free space or choose another folder"
+    elif e.errno == errno.ENOTDIR:
+        hint = "a part of the path is a file, not a folder: choose another destination"
+    else:
+        hint = "check the destination folder's permissions and free space"
+    return ConversionError(f"{path}: {doing} ({e.strerror or e}); {hint}. Nothing was written under a final name.")
+
+
+# Errors of link() that mean "this file system has no hard links", not "the name exists".
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
+
+
 class OutputSet:
     """(local, one process) The files of one conversion, all or nothing.
 
@@ -535,41 +572,110 @@ class OutputSet:
     """
 
     def __init__(self, finals: Sequence[str], *, overwrite: bool, protected: Iterable[str] = (),
-                 replaces: Sequence[str] = ()):
+                 replaces: Sequence[str] = (), lock: Optional[str] = None):
         self.finals = [os.path.abspath(f) for f in finals]
         self.overwrite = overwrite
         self.replaces = [os.path.abspath(f) for f in replaces if os.path.abspath(f) not in self.finals]
         self.protected = [os.fspath(p) for p in protected]
         self.temps: dict = {}  # final -> its temporary file, once created
         self._lock = threading.Lock()
+        # One lock per destination prefix (default: the first file's name), beside the files.
+        self.lock_path = os.path.abspath(lock or self.finals[0])
+        directory, base = os.path.split(self.lock_path)
+        self.lock_path = os.path.join(directory, f".{base}{_TAG}lock")
+        self._lock_fd: Optional[int] = None
         self.removed: list = []
+        self.notes: list = []
         self.committed = False
 
     def check(self) -> None:
         """Refuse to write over a source file, ever, and over any existing file without
-        ``overwrite``; make the folders."""
+        ``overwrite``; make the folders; take the destination's lock (held until
+        :meth:`release` or :meth:`abort`), so that no other conversion writes these names
+        meanwhile."""
         for f in self.finals + self.replaces:
             if os.path.lexists(f) and source_clash(f, self.protected) is not None:
                 raise OutputExistsError(
                     f"{f}: is (or links to) a file of the source checkpoint; a conversion never writes "
                     "over its source. Choose another destination prefix or folder."
                 )
-        existing = [f for f in self.finals + self.replaces if os.path.lexists(f)]
-        if existing and not self.overwrite:
-            names = ", ".join(os.path.basename(f) for f in existing[:4]) + (" ..." if len(existing) > 4 else "")
-            raise OutputExistsError(
-                f"{os.path.dirname(existing[0])}: {len(existing)} destination file(s) exist ({names}); "
-                "nothing was written. Pass overwrite=True (CLI: --overwrite) to replace them, or choose "
-                "another destination prefix."
-            )
         for d in sorted({os.path.dirname(f) for f in self.finals}):
-            os.makedirs(d, exist_ok=True)
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise destination_error(d, e, "cannot create the destination folder") from e
+        self._acquire()
+        try:
+            existing = [f for f in self.finals + self.replaces if os.path.lexists(f)]
+            if existing and not self.overwrite:
+                names = ", ".join(os.path.basename(f) for f in existing[:4]) + (
+                    f" ... and {len(existing) - 4} more" if len(existing) > 4 else "")
+                raise OutputExistsError(
+                    f"{os.path.dirname(existing[0])}: {len(existing)} destination file(s) exist ({names}); "
+                    "nothing was written. Pass overwrite=True (CLI: --overwrite) to replace them, or choose "
+                    "another destination prefix."
+                )
+        except BaseException:
+            self.release()
+            raise
+
+    def _acquire(self) -> None:
+        """Take the destination's lock, or raise :class:`OutputExistsError` naming its holder.
+        A file system without ``flock`` leaves the hard-link commit as the only guard."""
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            try:
+                fd = os.open(self.lock_path, flags, 0o666)
+            except OSError as e:
+                raise destination_error(os.path.dirname(self.lock_path), e, "cannot create files in the destination "
+                                        f"folder (the lock {os.path.basename(self.lock_path)})") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise OutputExistsError(
+                    f"{os.path.dirname(self.lock_path)}: another conversion ({holder}) is writing "
+                    f"{_cap_names(self.finals)} right now; nothing was written. Wait for it to finish, or choose "
+                    "another destination prefix.") from None
+            except OSError as e:  # no flock here (some network file systems)
+                os.close(fd)
+                self.notes.append(f"{os.path.dirname(self.lock_path)}: no file locks on this file system "
+                                  f"({e.strerror or e}); only the final renames are exclusive")
+                return
+            # The holder before us may have removed the file after we opened it: lock the file
+            # that is at the name, or try again.
+            try:
+                same = os.stat(self.lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                self._lock_fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        """Let the destination's lock go (after :meth:`commit` and whatever must still be
+        written beside the set; :meth:`abort` does it itself). Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.lock_path)  # while still held: the next one locks a fresh file
+        except OSError:
+            pass
+        os.close(fd)
 
     def clean_stale(self) -> list:
         """Remove temporary files of these names left by a killed conversion on this host."""
         removed = []
         for f in self.finals:
-            removed += remove_stale_temps(f)
+            try:
+                removed += remove_stale_temps(f)
+            except OSError as e:
+                raise destination_error(f, e, "cannot remove a temporary file a killed conversion left") from e
         return removed
 
     def temp(self, final: str) -> str:
@@ -579,17 +685,41 @@ class OutputSet:
             raise KeyError(f"{final}: not one of this set's outputs")
         with self._lock:
             if final not in self.temps:
-                self.temps[final] = make_temp(final)
+                try:
+                    self.temps[final] = make_temp(final)
+                except OSError as e:
+                    raise destination_error(final, e, "cannot create its temporary file") from e
             return self.temps[final]
 
     def commit(self) -> None:
-        """Rename every temporary file to its final name, then remove the replaced files
-        of an older set (``replaces``), then fsync the folders."""
+        """Move every temporary file to its final name, then remove the replaced files of an
+        older set (``replaces``), then fsync the folders. Without ``overwrite`` a name that
+        appeared meanwhile (another writer) is left alone: the names this set already took
+        are given back and :class:`OutputExistsError` raised."""
         missing = [f for f in self.finals if f not in self.temps or not os.path.exists(self.temps[f])]
         if missing:
             raise ConversionError(f"{missing[0]}: a finished output is missing before the rename; nothing was renamed.")
-        for f in self.finals:
-            os.replace(self.temps[f], f)
+        taken: list = []  # (final, the file's stat): names this set holds
+        try:
+            for f in self.finals:
+                st = os.stat(self.temps[f])
+                if self.overwrite:
+                    os.replace(self.temps[f], f)
+                else:
+                    self._take(self.temps[f], f)
+                taken.append((f, st))
+        except BaseException as e:
+            if not self.overwrite:
+                for f, st in taken:  # still our file (nobody replaced it since): give the name back
+                    with contextlib.suppress(OSError):
+                        if os.path.samestat(os.stat(f, follow_symlinks=False), st):
+                            os.unlink(f)
+            if isinstance(e, OSError) and not isinstance(e, ConversionError):
+                raise destination_error(f, e, "cannot move the finished file to its name") from e
+            raise
+        for f, _ in taken:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.temps[f])
         self.committed = True
         for f in self.replaces:
             try:
@@ -610,14 +740,37 @@ class OutputSet:
             finally:
                 os.close(dfd)
 
-    def abort(self) -> None:
-        """Remove every temporary file (normal errors, Ctrl-C)."""
-        if self.committed:
+    @staticmethod
+    def _take(tmp: str, final: str) -> None:
+        """``tmp`` becomes ``final`` only if no file is there (a hard link fails on an existing
+        name, where a rename would replace it); the temporary name goes when the commit ends."""
+        try:
+            os.link(tmp, final, follow_symlinks=False)
             return
-        with self._lock:
-            temps = list(self.temps.values())
-        for t in temps:
-            try:
-                os.unlink(t)
-            except FileNotFoundError:
-                pass
+        except FileExistsError:
+            raise OutputExistsError(
+                f"{final}: appeared while this conversion was writing (another conversion, or another program, "
+                "writing the same names?); it was left as it is and this conversion put none of its files in place. "
+                "Pass overwrite=True (CLI: --overwrite) to replace it, or choose another destination prefix.") from None
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+        # No hard links on this file system: the lock (if any) is the guard; check once more.
+        if os.path.lexists(final):
+            raise OutputExistsError(f"{final}: appeared while this conversion was writing; it was left as it is.")
+        os.rename(tmp, final)
+
+    def abort(self) -> None:
+        """Remove every temporary file (normal errors, Ctrl-C) and let the lock go."""
+        try:
+            if self.committed:
+                return
+            with self._lock:
+                temps = list(self.temps.values())
+            for t in temps:
+                try:
+                    os.unlink(t)
+                except FileNotFoundError:
+                    pass
+        finally:
+            self.release()

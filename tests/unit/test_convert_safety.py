@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,7 +92,7 @@ convert({big!r}, {str(out / "ck")!r}, model_parallel=2, shards=2, chunk_mb=1, jo
     # The next conversion to the same names removes the dead process's temporary files.
     r = convert(big, out / "ck", model_parallel=2, shards=2, chunk_mb=4)
     assert sorted(os.path.basename(x) for x in r.removed) == stale
-    assert _temps(out) == [] and len(_finals(out)) == 4
+    assert _temps(out) == [] and len([f for f in _finals(out) if f.endswith(".pt")]) == 4
     assert verify(r.files[0], big, atol=0, rtol=0).identical
 
 
@@ -226,3 +227,206 @@ def test_write_torch_reads_its_header_back_with_the_allowlist(tmp_path):
     # The caller that unpickled its source with trust_pickle=True may write what it read.
     write_torch(str(tmp_path / "b.pt"), obj, {}, None, chunk_bytes=1 << 16, trust_pickle=True)
     assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=False)["w"], torch.arange(4.0))
+
+
+# --------------------------------------------------------------------------- outputs a user owns
+
+
+def _hashes(folder: Path) -> dict:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _small_source() -> str:
+    from tests.conftest import FIXTURES, fixtures_available
+
+    if not fixtures_available():
+        pytest.skip(f"metaseq fixtures not found at {FIXTURES}")
+    return str(FIXTURES / "fsdp_dp3" / "checkpoint_2-model_part-0-shard0.pt")
+
+
+def test_a_second_concurrent_convert_into_the_same_destination_fails_and_changes_nothing(tmp_path):
+    """Two real processes, the first paused part-way: the second (the CLI) stops at once with
+    OutputExistsError (exit 2) naming the first; the first completes; a file the user keeps
+    in the destination folder is untouched."""
+    src = _small_source()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    mine = _hashes(out)
+    source_before = _hashes(Path(src).parent)
+    paused, go = tmp_path / "paused", tmp_path / "go"
+    first = _python(f"""
+import os, time
+from metaseq_oneload._convert import convert
+def hook(nbytes, tensors):
+    if not os.path.exists({str(paused)!r}):
+        open({str(paused)!r}, "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists({str(go)!r}) and time.time() < deadline:
+            time.sleep(0.01)
+r = convert({src!r}, {str(out / "ck")!r}, shards=2, jobs=1, progress=hook)
+print(len(r.files))
+""")
+    try:
+        deadline = time.time() + 120
+        while not paused.exists():
+            assert first.poll() is None, first.communicate()
+            assert time.time() < deadline, "the first conversion never got part-way"
+            time.sleep(0.02)
+        t0 = time.perf_counter()
+        second = subprocess.run([sys.executable, "-m", "metaseq_oneload", "convert", src, str(out / "ck"), "--shards",
+                                 "2"], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                                capture_output=True, text=True, timeout=120)
+        took = time.perf_counter() - t0
+    finally:
+        go.touch()
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert second.returncode == 2, (second.returncode, second.stderr)
+    assert re.search(rf"convert: error: {re.escape(str(out))}: another conversion \(pid {first.pid} on [^)]+\) is writing ck-model_part-0-"
+                     r"shard0\.pt, ck-model_part-0-shard1\.pt right now; nothing was written", second.stderr), second.stderr
+    assert "Traceback" not in second.stderr
+    assert took < 60, took  # it did not wait for the first: the time is the CLI's start-up
+    assert sorted(_finals(out)) == ["ck-model_part-0-shard0.pt", "ck-model_part-0-shard1.pt", "ck.oneload-index.json",
+                                    "notes.txt"]
+    assert {k: v for k, v in _hashes(out).items() if k in mine} == mine
+    assert verify(str(out / "ck-model_part-0-shard0.pt"), src, atol=0, rtol=0).identical
+    assert [p for p in os.listdir(out) if p.startswith(".")] == []  # no temporary file, no lock left
+    assert _hashes(Path(src).parent) == source_before
+
+
+def test_a_file_that_appears_at_a_final_name_is_never_replaced(tmp_path):
+    """Another program writes one of the destination names while a conversion runs (no
+    lock of ours can stop it): the conversion puts none of its files in place and theirs
+    stays as it was, bit for bit."""
+    from metaseq_oneload import OutputExistsError
+
+    src = _small_source()
+    out = tmp_path / "out"
+    theirs = out / "ck-model_part-0-shard1.pt"
+
+    def hook(nbytes, tensors):
+        if not theirs.exists():
+            theirs.write_bytes(b"another program's file")
+
+    t0 = time.perf_counter()
+    with pytest.raises(OutputExistsError, match=r"ck-model_part-0-shard1\.pt: appeared while this conversion was "
+                                                r"writing .* it was left as it is and this conversion put none of its "
+                                                "files in place"):
+        convert(src, out / "ck", shards=2, jobs=1, progress=hook)
+    assert time.perf_counter() - t0 < 30
+    assert theirs.read_bytes() == b"another program's file"
+    assert sorted(os.listdir(out)) == ["ck-model_part-0-shard1.pt"]  # ours given back, temporaries and lock gone
+
+
+def _without_override():
+    """A child that obeys folder permissions even as root: CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH and CAP_FOWNER leave its capability bounding set before exec."""
+    if os.geteuid() != 0:
+        return None
+
+    def drop():
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2, 3):
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    return drop
+
+
+def test_a_destination_without_write_permission_is_a_conversion_error_exit_2(tmp_path):
+    src = _small_source()
+    top = tmp_path
+    try:
+        locked = top / "locked"
+        locked.mkdir()
+        (locked / "keep.pt").write_bytes(b"the user's checkpoint")
+        before = _hashes(locked)
+        locked.chmod(0o555)
+        t0 = time.perf_counter()
+        for dst in (locked / "ck", locked / "sub" / "ck"):
+            p = subprocess.run([sys.executable, "-m", "metaseq_oneload", "convert", src, str(dst), "--shards", "2"],
+                               env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                               capture_output=True, text=True, timeout=120, preexec_fn=_without_override())
+            assert p.returncode == 2, (p.returncode, p.stderr)
+            assert "Traceback" not in p.stderr, p.stderr
+            assert re.search(rf"convert: error: {re.escape(str(dst.parent))}: cannot (create|write)[^\n]*\(Permission "
+                             r"denied\); permission denied: choose a folder you can write to, or make this one writable "
+                             r"for you\. Nothing was written under a final name\.", p.stderr), p.stderr
+        assert time.perf_counter() - t0 < 120
+        locked.chmod(0o755)
+        assert _hashes(locked) == before and sorted(os.listdir(locked)) == ["keep.pt"]
+    finally:
+        (top / "locked").chmod(0o755)  # pytest removes tmp_path
+
+
+def test_a_destination_under_a_file_is_a_conversion_error(tmp_path):
+    from metaseq_oneload import ConversionError
+
+    src = _small_source()
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConversionError, match=r"a_file/out: cannot create the destination folder \(Not a directory\); a "
+                                              "part of the path is a file, not a folder"):
+        convert(src, tmp_path / "a_file" / "out" / "ck", shards=2)
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+# --------------------------------------------------------------------------- save identity
+
+
+def _saves(paths) -> list:
+    import torch
+
+    return [torch.load(p, map_location="cpu", weights_only=False).get("oneload_save") for p in paths]
+
+
+def test_every_file_of_one_output_set_carries_the_same_save_identity(tmp_path):
+    from metaseq_oneload._convert import consolidate
+
+    src = _small_source()
+    ids = set()
+    for name, kw, (M, N) in (("flat", dict(model_parallel=2, shards=2), (2, 2)),
+                             ("parts", dict(model_parallel=2, shards=1, flat=False), (2, 1))):
+        r = convert(src, tmp_path / name / "ck", **kw)
+        saves = _saves(r.files)
+        assert len({s["save_id"] for s in saves}) == 1, saves
+        assert all(s == {"save_id": saves[0]["save_id"], "parts": M, "shards": N} for s in saves), saves
+        assert re.fullmatch(r"[0-9a-f]{32}", saves[0]["save_id"])
+        ids.add(saves[0]["save_id"])
+    # A second conversion of the same source is another save, and so is a conversion of a
+    # file this package wrote (its identity is replaced, not copied).
+    r = consolidate(tmp_path / "flat" / "ck-model_part-0-shard0.pt", tmp_path / "one.pt")
+    (save,) = _saves(r.files)
+    assert save["parts"] == 1 and save["shards"] == 1 and save["save_id"] not in ids
+
+
+def test_safetensors_outputs_carry_it_in_the_sidecar_and_the_header(tmp_path):
+    from safetensors import safe_open
+
+    r = convert(_small_source(), tmp_path / "st" / "ck", model_parallel=2, shards=1, flat=False, format="safetensors")
+    sides = [json.loads(Path(s).read_text())["oneload_save"] for s in r.sidecars]
+    heads = []
+    for f in r.files:
+        with safe_open(f, "pt") as st:
+            heads.append(json.loads(st.metadata()["oneload_save"]))
+    assert sides == heads and len({s["save_id"] for s in sides}) == 1 and sides[0]["parts"] == 2
+
+
+def test_a_bare_state_dict_stays_bare_and_says_it_carries_no_identity(tmp_path):
+    import torch
+
+    from metaseq_oneload._convert import consolidate
+    from tests.conftest import FIXTURES, raw_load
+
+    if not (FIXTURES / "singleton").is_dir():
+        pytest.skip("fixtures missing")
+    model = raw_load(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")["model"]
+    torch.save(dict(model), tmp_path / "bare.pt")
+    r = consolidate(tmp_path / "bare.pt", tmp_path / "out" / "bare.pt")
+    obj = torch.load(r.files[0], weights_only=True)
+    assert "oneload_save" not in obj and all(torch.is_tensor(v) for v in obj.values())
+    assert any("bare state dict" in n and "no oneload_save save identity" in n for n in r.notes), r.notes
