@@ -1,0 +1,59 @@
+"""The parts of fairseq's patch that need no fairseq: the single-process counterpart of a
+model-parallel checkpoint's config, and the module importing nothing of fairseq. The patch
+itself runs against real fairseq in tests/integration/test_fairseq_*.py."""
+
+import argparse
+import sys
+
+from metaseq_oneload.integrations import fairseq as fairseq_patch
+
+
+def _mp2_cfg():
+    # As fairseq 0.12.2 saved tests/fixtures/fairseq/mp2: argparse Namespaces of all the
+    # arguments as the model and criterion nodes, plain dicts elsewhere.
+    model = argparse.Namespace(_name="transformer_lm_megatron", arch="transformer_lm_megatron",
+                               criterion="vocab_parallel_cross_entropy", model_parallel_size=2, decoder_layers=2)
+    criterion = argparse.Namespace(_name="vocab_parallel_cross_entropy", criterion="vocab_parallel_cross_entropy")
+    return {"cfg": {"common": {"model_parallel_size": 2}, "model": model, "criterion": criterion,
+                    "task": {"_name": "language_modeling"}}}
+
+
+def test_a_model_parallel_config_becomes_its_single_process_counterpart():
+    state = _mp2_cfg()
+    changes = fairseq_patch._single_process(state, layout=None)
+    cfg = state["cfg"]
+    assert (cfg["model"]._name, cfg["model"].arch) == ("transformer_lm", "transformer_lm")
+    # fairseq's registry reads a Namespace by the field name, a config by _name: both change.
+    assert (cfg["criterion"]._name, cfg["criterion"].criterion, cfg["model"].criterion) == ("cross_entropy",) * 3
+    assert cfg["common"]["model_parallel_size"] == 1 and cfg["model"].model_parallel_size == 1
+    assert ("model.arch", "transformer_lm_megatron", "transformer_lm") in changes
+    assert ("criterion._name", "vocab_parallel_cross_entropy", "cross_entropy") in changes
+    assert cfg["model"].decoder_layers == 2  # everything else as saved
+
+
+def test_a_config_without_model_parallel_pieces_is_left_alone():
+    state = {"cfg": {"model": {"_name": "transformer_lm"}, "criterion": {"_name": "cross_entropy"},
+                     "common": {"model_parallel_size": 1}}}
+    before = repr(state)
+    assert fairseq_patch._single_process(state, layout=None) == []
+    assert repr(state) == before
+
+
+class _Dictionary:
+    def __init__(self, n):
+        self.n = n
+
+    def pad_to_multiple_(self, multiple):
+        self.n = -(-self.n // multiple) * multiple
+
+
+def test_dictionaries_padded_once_each_as_megatron_did():
+    shared = _Dictionary(56)
+    task = argparse.Namespace(source_dictionary=shared, target_dictionary=shared)
+    fairseq_patch._pad_dictionaries(task, 16)
+    assert shared.n == 64
+
+
+def test_the_module_imports_no_fairseq():
+    assert "fairseq" not in sys.modules or hasattr(sys.modules["fairseq"], "__version__")
+    assert not any(name == "fairseq" for name in vars(fairseq_patch))
