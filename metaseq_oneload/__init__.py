@@ -6,6 +6,7 @@ Public API (everything else is private)::
     load_state_dict(path, ...) -> state dict   this rank's part of the weights (collective)
     load_checkpoint(path, ...)                 the same, with shard_metadata, layout, report
     load_into(module, path, ...)               fill a plain, meta or FSDP2 module in place
+    plan_load(path, world=W, ...) -> LoadPlan  what a load onto W ranks would do (metadata only)
     from_pretrained(model_cls, path, ...)      a Hugging Face model read once, sharded or not
     convert(src, dst_prefix, ...)              rewrite a checkpoint in any layout, streaming
     consolidate(src, dst) / verify(a, b)       one unflattened file / compare any two layouts
@@ -43,6 +44,8 @@ _LAZY = {
     "load_into": ("._loading", "load_into"),
     "LoadedCheckpoint": ("._loading", "LoadedCheckpoint"),
     "LoadReport": ("._loading", "LoadReport"),
+    "plan_load": ("._loadplan", "plan_load"),
+    "LoadPlan": ("._loadplan", "LoadPlan"),
     "from_pretrained": ("._hf", "from_pretrained"),
     "empty_model": ("._hf", "empty_model"),
     "fully_shard_blocks": ("._hf", "fully_shard_blocks"),
@@ -93,6 +96,7 @@ if typing.TYPE_CHECKING:  # what _LAZY loads at run time, spelled out for mypy a
     from ._layout import CheckpointLayout
     from .formats import discover as inspect
     from ._loading import LoadedCheckpoint, LoadReport, load_checkpoint, load_into, load_state_dict
+    from ._loadplan import LoadPlan, plan_load
     from ._startup import activate
     from ._verify import TensorDiff, VerifyReport, verify
     from .integrations import install, installed, uninstall

@@ -314,6 +314,59 @@ def _configure_export_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
 
 
+# --------------------------------------------------------------------------- plan
+
+
+def _plan_table(plan) -> str:
+    dp = plan.world // plan.model_parallel
+    saved = (f"{plan.kind}, saved {plan.saved_model_parallel}x{plan.saved_shards} "
+             f"{'flat' if plan.saved_flat else 'unflattened'}")
+    ratio = plan.bytes_read / plan.model_bytes if plan.model_bytes else 0.0
+    rows = [
+        ["checkpoint", f"{plan.path}  ({saved})"],
+        ["target", f"world {plan.world} = {plan.model_parallel} model-parallel x {dp} data-parallel, "
+                   f"{'flat' if plan.flat else 'unflattened'}"],
+        ["strategy", f"{plan.strategy}: {plan.reason}"],
+        ["read", f"{human_bytes(plan.bytes_read)} from storage in all ({ratio:.2f}x the checkpoint's "
+                 f"{human_bytes(plan.model_bytes)} of tensors)"],
+        ["network", f"{human_bytes(plan.network_bytes)} between ranks"],
+        ["peak", f"{human_bytes(max(r.peak_bytes for r in plan.ranks))} on the busiest rank "
+                 "(output + the strategy's buffers, docs/loading.md)"],
+    ]
+    shown = plan.ranks[:16]
+    ranks = table([[r.rank, r.model_parallel_rank, r.data_parallel_rank, len(r.files), r.reads,
+                    human_bytes(r.bytes_read), human_bytes(r.bytes_out), human_bytes(r.bytes_received),
+                    human_bytes(r.bytes_sent), human_bytes(r.peak_bytes)] for r in shown],
+                  header=["rank", "part", "dp", "files", "reads", "read", "out", "received", "sent", "peak"])
+    out = [table(rows), "", ranks]
+    if len(plan.ranks) > len(shown):
+        out.append(f"... and {len(plan.ranks) - len(shown)} more ranks (--json lists every one)")
+    return "\n".join(out)
+
+
+def _plan(args) -> int:
+    from ._convert import _DTYPES
+    from ._loadplan import plan_load
+
+    plan = plan_load(args.path, world=args.world, model_parallel=args.model_parallel, flat=args.flat,
+                     strategy=args.strategy, bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb,
+                     dtype=_DTYPES[args.dtype] if args.dtype else None, trust_pickle=args.trust_pickle)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else _plan_table(plan))
+    return 0
+
+
+def _configure_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a folder, any file of the set, the un-suffixed name, or a glob")
+    p.add_argument("--world", "-w", type=int, required=True, help="ranks in the job (all of them)")
+    p.add_argument("--model-parallel", "-m", type=int, default=1, help="target model-parallel size (default 1)")
+    p.add_argument("--flat", action="store_true", help="plan load_state_dict(flat=True): each rank its FSDP shard")
+    p.add_argument("--strategy", choices=("auto", "own_shard", "reshard", "broadcast"), default="auto",
+                   help="as load_state_dict's (default auto: the plan says which it picks and why)")
+    p.add_argument("--bucket-mb", type=float, default=256, help="broadcast bucket (default 256)")
+    p.add_argument("--chunk-mb", type=float, default=64, help="staging chunk (default 64)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="the destination dtype (default: as stored)")
+
+
 # --------------------------------------------------------------------------- main
 
 _COMMANDS.update({
@@ -325,6 +378,8 @@ _COMMANDS.update({
                _configure_verify),
     "export-hf": (_export_hf, "convert a metaseq checkpoint (any layout) into a Hugging Face OPT folder",
                   _configure_export_hf),
+    "plan": (_plan, "what a load onto W ranks would do, from metadata only: each rank's reads, the strategy "
+                    "and why, peak memory, network bytes", _configure_plan),
 })
 
 

@@ -1,0 +1,267 @@
+"""A load's plan before the load: for a world of W ranks (M model-parallel parts), what each
+rank would read, the strategy ``auto`` would pick and why, each rank's peak extra memory and
+the bytes that cross the network. Nothing but metadata is read.
+
+The plan is computed by the engine's own steps, run without a process group: the same
+strategy choice (``_loading._choose``), the same per-part targets (``plan_part``), the same
+per-rank wants as :func:`metaseq_oneload.load_state_dict` builds them, the same broadcast
+schedule, and the same fill code (``_loading._fill``) against a reader that counts the
+bytes it is asked for instead of reading them (outputs on the meta device). So the bytes a
+plan states are the bytes a load of the same call reads; tests/distributed/test_load_plan.py
+holds the two equal on real gloo ranks.
+"""
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from ._dist import Group
+from ._layout import CheckpointLayout
+from ._loading import Want, _choose, _fill, _Options, _resolve_aliases, _schedule
+from ._plan import BlockCopy, FlatStructure, plan_part
+from .formats import discover
+
+__all__ = ["RankPlan", "LoadPlan", "plan_load"]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank of the world does in a load."""
+
+    rank: int  # Megatron's grid: rank = data_parallel_rank * M + model_parallel_rank
+    model_parallel_rank: int
+    data_parallel_rank: int
+    files: Tuple[str, ...]  # the files it reads from (none when it only receives)
+    reads: int  # read calls (contiguous byte ranges; one per stored run it touches)
+    bytes_read: int  # from storage
+    bytes_out: int  # what is written into its output tensors (LoadReport.bytes_out; no flat padding)
+    bytes_received: int  # from other ranks (broadcast)
+    bytes_sent: int  # to other ranks (the reader, when broadcasting)
+    peak_extra_bytes: int  # CPU memory beyond its output, by docs/loading.md's formulas
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.bytes_out + self.peak_extra_bytes
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The plan of one load call, for every rank; see :func:`plan_load`."""
+
+    path: str
+    kind: str
+    saved_model_parallel: int
+    saved_shards: int
+    saved_flat: bool
+    world: int
+    model_parallel: int
+    flat: bool
+    strategy: str
+    reason: str
+    model_bytes: int  # tensor bytes of the whole checkpoint
+    ranks: Tuple[RankPlan, ...] = field(default=())
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.ranks)
+
+    @property
+    def network_bytes(self) -> int:
+        """Bytes that cross between ranks (each counted once, at its receiver)."""
+        return sum(r.bytes_received for r in self.ranks)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ranks"] = [dict(dataclasses.asdict(r), peak_bytes=r.peak_bytes) for r in self.ranks]
+        d["bytes_read"], d["network_bytes"] = self.bytes_read, self.network_bytes
+        return d
+
+
+class _CountingReader:
+    """Stands in for RangeReader: counts what the fill code asks for, reads nothing."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self.bytes_read = 0
+        self.reads = 0
+        self.files: Dict[str, None] = {}
+
+    def read_extent(self, ext, start, out, dtype) -> None:
+        n = out.numel()
+        if n == 0:
+            return
+        self.files.setdefault(ext.path)
+        if ext.byte_offset is None:
+            # A file without byte offsets (legacy format): RangeReader loads it whole, and
+            # its bytes_read counts range reads only; so does this count.
+            return
+        self.reads += 1
+        self.bytes_read += n * torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wants(targets, structure: Optional[FlatStructure], flat: bool, dp_rank: int, dp_size: int,
+           dtype: Optional[torch.dtype]) -> list:
+    """This rank's wants, as load_checkpoint's make_wants builds them, on the meta device."""
+    wants = []
+
+    def empty(n, dt):
+        return torch.empty(n, dtype=dt, device="meta")
+
+    if not flat:
+        return [Want(n, 0, empty(t.numel, t.dtype)) for n, t in targets.items() if t.alias_of is None]
+    covered = set()
+    for g in structure.groups:
+        dtypes = {targets[n].dtype for n in g.names}
+        pieces, size = g.shard_pieces(dp_rank, dp_size)
+        local = empty(size, dtypes.pop() if dtypes else torch.float32)
+        for n, start, stop, offset in pieces:
+            wants.append(Want(n, start, local[offset: offset + stop - start]))
+        covered.update(g.names)
+    for n, t in targets.items():
+        if n not in covered and t.alias_of is None:
+            wants.append(Want(n, 0, empty(t.numel, t.dtype)))
+    return wants
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _staging_bytes(targets, wants, chunk_bytes: int) -> int:
+    """The reading ranks' one staging buffer (docs/loading.md): at most a chunk, where a
+    stored dtype differs from the destination's or a row-parallel weight is split anew;
+    none where the bytes go straight into the outputs."""
+    need = 0
+    for w in wants:
+        t = targets[w.name]
+        for c in t.copies:
+            if isinstance(c, BlockCopy):
+                need = max(need, min(chunk_bytes, c.rows * c.src_cols * _itemsize(c.src.dtype)))
+            elif c.src.dtype != t.dtype:
+                need = max(need, min(chunk_bytes, c.length * _itemsize(c.src.dtype)))
+    return need
+
+
+def plan_load(
+    path: "str | os.PathLike | CheckpointLayout",
+    *,
+    world: int,
+    model_parallel: int = 1,
+    flat: bool = False,
+    strategy: str = "auto",
+    shard_metadata: Optional[Mapping] = None,
+    bucket_mb: float = 256,
+    chunk_mb: float = 64,
+    qkv: str = "auto",
+    dtype: Optional[torch.dtype] = None,
+    trust_pickle: bool = False,
+) -> LoadPlan:
+    """(local, metadata only) What ``load_state_dict(path, flat=..., strategy=...)`` would do
+    on a world of ``world`` ranks, ``model_parallel`` parts of it, every rank seeing the files.
+
+    Args:
+        path: anything :func:`metaseq_oneload.inspect` takes, or its layout.
+        world: the total number of ranks; a multiple of ``model_parallel``.
+        model_parallel: the target model-parallel size.
+        flat, strategy, shard_metadata, bucket_mb, chunk_mb, qkv, dtype, trust_pickle: as
+            for :func:`metaseq_oneload.load_state_dict`.
+
+    Raises:
+        ValueError: ``world`` is not a positive multiple of ``model_parallel``.
+        CheckpointLayoutError: the strategy cannot load this layout (as the load would say).
+    """
+    if model_parallel < 1 or world < model_parallel or world % model_parallel:
+        raise ValueError(f"world={world}, model_parallel={model_parallel}: the world must be a positive "
+                         "multiple of the model-parallel size.")
+    opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, trust_pickle=trust_pickle, qkv=qkv,
+                    dtype=dtype)
+    layout = path if isinstance(path, CheckpointLayout) else discover(path, trust_pickle=trust_pickle)
+    dp_size = world // model_parallel
+    info = {"rank": 0, "ok": True, "blind": False, "fp": layout.fingerprint(), "err": None, "desc": ""}
+    chosen, reason = _choose(opts, [dict(info, rank=d) for d in range(dp_size)], layout, model_parallel, dp_size,
+                             flat, Group(None, "data-parallel"))
+    ranks = []
+    for m in range(model_parallel):
+        targets = plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype)
+        structure = None
+        if flat:
+            structure = (FlatStructure.from_metadata(shard_metadata) if shard_metadata is not None
+                         else FlatStructure.from_layout(layout, targets))
+            structure.check_against(targets)
+        per_dp = [_resolve_aliases(_wants(targets, structure, flat, d, dp_size, dtype), targets)
+                  for d in range(dp_size)]
+        outs = [sum(_nbytes(w.out) for w in wants) for wants in per_dp]  # as LoadReport.bytes_out
+        if chosen == "broadcast":
+            ranks += _broadcast_part(m, model_parallel, targets, per_dp, outs, flat, opts)
+            continue
+        for d, wants in enumerate(per_dp):
+            reader = _CountingReader(opts.chunk_bytes)
+            for w in wants:
+                _fill(targets[w.name], w.out, w.start, reader)
+            extra = _staging_bytes(targets, wants, opts.chunk_bytes)
+            ranks.append(RankPlan(d * model_parallel + m, m, d, tuple(reader.files), reader.reads,
+                                  reader.bytes_read, outs[d], 0, 0, extra))
+    ranks.sort(key=lambda r: r.rank)
+    return LoadPlan(path=layout.display_name, kind=layout.kind, saved_model_parallel=layout.model_parallel_size,
+                    saved_shards=layout.shards_per_part, saved_flat=layout.flat, world=world,
+                    model_parallel=model_parallel, flat=flat, strategy=chosen, reason=reason,
+                    model_bytes=layout.total_bytes, ranks=tuple(ranks))
+
+
+def _broadcast_part(m: int, mp_size: int, targets, per_dp, outs, flat: bool, opts: _Options) -> list:
+    """The ranks of model-parallel part ``m`` when data-parallel rank 0 reads and sends."""
+    dp_size = len(per_dp)
+    whole = not flat  # every rank wants every tensor whole: broadcasts, else point-to-point pieces
+    reader = _CountingReader(opts.chunk_bytes)
+    received = [0] * dp_size
+    if whole:
+        # Direct broadcasts into the receivers' outputs: their outputs are CPU tensors of
+        # the target dtype (load_state_dict's default device, gloo's device).
+        schedule = _schedule(targets, opts.bucket_bytes, direct=True)
+        for _, entries in schedule:
+            size = 0
+            for e in entries:
+                t = targets[e.name]
+                view = torch.empty(e.length, dtype=t.dtype, device="meta")
+                _fill(t, view, e.start, reader)
+                size = e.offset + _nbytes(view)
+            for d in range(1, dp_size):
+                received[d] += size
+        bucket = 0 if all(d for d, _ in schedule) else opts.bucket_bytes
+    else:
+        wanted = {}
+        for d, wants in enumerate(per_dp):
+            for w in wants:
+                wanted.setdefault(w.name, []).append((w.start, w.stop, d, _nbytes(w.out) // max(1, w.out.numel())))
+        for _, entries in _schedule(targets, opts.bucket_bytes, direct=False):
+            hits = []
+            for e in entries:
+                for lo, hi, d, item in wanted.get(e.name, ()):
+                    a, b = max(lo, e.start), min(hi, e.start + e.length)
+                    if a < b:
+                        hits.append((d, (b - a) * item))
+            if not hits:
+                continue
+            for e in entries:
+                t = targets[e.name]
+                _fill(t, torch.empty(e.length, dtype=t.dtype, device="meta"), e.start, reader)
+            for d, n in hits:
+                if d != 0:
+                    received[d] += n
+        bucket = opts.bucket_bytes
+    sent = sum(received)
+    out = []
+    for d in range(dp_size):
+        is_reader = d == 0
+        extra = bucket if is_reader or (whole and bucket) else 0
+        out.append(RankPlan(d * mp_size + m, m, d, tuple(reader.files) if is_reader else (),
+                            reader.reads if is_reader else 0, reader.bytes_read if is_reader else 0, outs[d],
+                            received[d], sent if is_reader else 0, extra))
+    return out

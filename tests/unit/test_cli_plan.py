@@ -1,0 +1,48 @@
+"""`metaseq-oneload plan`: the table, --json, and clear errors; the load itself is held to the
+plan in tests/distributed/test_load_plan.py."""
+
+import json
+
+import pytest
+
+from metaseq_oneload.cli import main
+from tests.conftest import FIXTURES, needs_fixtures
+
+pytestmark = needs_fixtures
+
+
+def test_table_says_strategy_reads_and_ranks(capsys):
+    assert main(["plan", str(FIXTURES / "fsdp_dp3"), "--world", "2", "--flat"]) == 0
+    out = capsys.readouterr().out
+    assert "target      world 2 = 1 model-parallel x 2 data-parallel, flat" in out
+    assert "strategy    reshard: saved 3 shard(s) per part != 2 data-parallel rank(s)" in out
+    assert "network     0 B between ranks" in out
+    assert out.count("\n0     0     0   ") == 1 and "\n1     0     1   " in out
+
+
+def test_json_per_rank(capsys):
+    assert main(["plan", str(FIXTURES / "singleton"), "-w", "3", "--strategy", "broadcast", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["strategy"] == "broadcast" and [r["rank"] for r in d["ranks"]] == [0, 1, 2]
+    reader, *receivers = d["ranks"]
+    assert reader["bytes_read"] > 0 and reader["files"] and all(r["bytes_read"] == 0 for r in receivers)
+    assert all(r["bytes_received"] >= r["bytes_out"] for r in receivers)  # whole buckets, padding included
+    assert d["network_bytes"] == sum(r["bytes_received"] for r in receivers) == reader["bytes_sent"]
+    assert reader["peak_extra_bytes"] == 256 << 20  # the bucket, as the engine allocates it
+
+
+def test_own_shard_reads_each_rank_its_file(capsys):
+    assert main(["plan", str(FIXTURES / "shard_only"), "-w", "2", "--flat", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["strategy"] == "own_shard" and d["network_bytes"] == 0
+    assert [r["files"][0].endswith(f"shard{r['rank']}.pt") for r in d["ranks"]] == [True, True]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-w", "3", "-m", "2"], "the world must be a positive multiple of the model-parallel size"),
+    (["-w", "2", "--strategy", "own_shard"], "strategy='own_shard' needs the saved layout to match the world"),
+])
+def test_errors(capsys, argv, message):
+    assert main(["plan", str(FIXTURES / "fsdp_dp3")] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("metaseq-oneload plan: error: ") and message in err
