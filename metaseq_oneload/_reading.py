@@ -28,9 +28,9 @@ import collections
 import contextlib
 import ctypes
 import functools
+import io
 import os
 import pickle
-import pickletools
 import struct
 import threading
 import typing
@@ -272,7 +272,8 @@ def _central_directory(fd: int, size: int, path: str) -> tuple:
     if disk != 0 or cd_disk != 0:
         raise _bad_zip(path, "it is a multi-volume (split) archive")
     if cd_offset + cd_size > limit:
-        raise _bad_zip(path, f"its central directory (bytes {cd_offset}..{cd_offset + cd_size}) overlaps its end record")
+        raise _bad_zip(path, f"its central directory (bytes {cd_offset}..{cd_offset + cd_size}) "
+                             "overlaps its end record")
     cd = _pread_exact(fd, cd_offset, cd_size, path, "the central directory")
     entries, p = [], 0
     for _ in range(count):
@@ -393,10 +394,10 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _storage_dtype(cls: Any) -> Optional[torch.dtype]:
-    if not (isinstance(cls, tuple) and len(cls) == 3 and cls[0] == "global"):
+def _storage_dtype(global_name: Any) -> Optional[torch.dtype]:
+    if not (isinstance(global_name, tuple) and len(global_name) == 2):
         return None
-    return _storage_class_dtype(cls[1], cls[2])
+    return _storage_class_dtype(*global_name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,83 +416,73 @@ def _storage_class_dtype(module: str, name: str) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-_MARK = object()
+class _Stub:
+    """Stands in for every object a pickle builds while its storage references are listed:
+    takes any arguments and state, does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+    def add(self, value):
+        pass
 
 
 @functools.lru_cache(maxsize=None)
-def _stack_effect(op: pickletools.OpcodeInfo) -> tuple:
-    """(pops to a mark, items popped (below the mark when it does), items pushed)."""
-    before = op.stack_before
-    if pickletools.markobject in before:
-        return True, before.index(pickletools.markobject), len(op.stack_after)
-    return False, len(before), len(op.stack_after)
+def _stub_class(module: str, name: str) -> type:
+    return type(name, (_Stub,), {"global_name": (module, name)})
+
+
+class _StorageRefScanner(pickle.Unpickler):
+    """Replays a pickle with a stub for every global it names (nothing is imported, nothing
+    of the file's runs) to see its persistent ids, in the order torch's loader meets them."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.pids: list = []
+
+    def find_class(self, module, name):
+        return _stub_class(module, name)
+
+    def persistent_load(self, pid):
+        self.pids.append(pid)
+        return _Stub()
 
 
 def _storage_refs(data: bytes, path: str) -> list:
-    """The storages a torch pickle refers to, read from its opcodes without running any of
-    it: a stack machine that tracks only strings, ints, globals, tuples and the memo, and
-    stands a placeholder in for everything else (stack effects from pickletools)."""
-    stack: list = []
-    memo: dict = {}
-    refs: dict = {}
+    """The storages a torch pickle refers to, each once, in first-use order."""
     try:
-        for op, arg, _ in pickletools.genops(data):
-            name = op.name
-            if name == "MARK":
-                stack.append(_MARK)
-            elif name in ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
-                          "BINSTRING", "SHORT_BINSTRING", "INT", "BININT", "BININT1", "BININT2",
-                          "LONG", "LONG1", "LONG4"):
-                stack.append(arg)
-            elif name == "GLOBAL":
-                stack.append(("global",) + tuple(arg.split(" ", 1)))
-            elif name == "STACK_GLOBAL":
-                attr, mod = stack.pop(), stack.pop()
-                stack.append(("global", mod, attr))
-            elif name == "TUPLE":
-                i = len(stack) - 1 - stack[::-1].index(_MARK)
-                items = tuple(stack[i + 1:])
-                del stack[i:]
-                stack.append(items)
-            elif name in ("EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
-                n = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}[name]
-                items = tuple(stack[len(stack) - n:])
-                del stack[len(stack) - n:]
-                stack.append(items)
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
-            elif name == "MEMOIZE":
-                memo[len(memo)] = stack[-1]
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
-            elif name == "DUP":
-                stack.append(stack[-1])
-            elif name == "BINPERSID":
-                pid = stack.pop()
-                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                    raise ValueError(f"unexpected persistent id {pid!r}")
-                _, cls, key, _, numel = pid
-                dtype = _storage_dtype(cls)
-                key = str(key) if isinstance(key, (str, int)) else None  # torch reads data/{key}
-                if dtype is None or not isinstance(numel, int) or key is None:
-                    raise ValueError(f"unexpected storage reference {pid!r}")
-                ref = _StorageRef(key, dtype, numel)
-                if refs.setdefault(key, ref) != ref:
-                    raise ValueError(f"storage {key} is referred to as {refs[key]} and as {ref}")
-                stack.append(None)
-            else:  # the generic stack effect, as pickletools.dis computes it
-                to_mark, npop, npush = _stack_effect(op)
-                if to_mark or (name == "POP" and stack and stack[-1] is _MARK):
-                    i = len(stack) - 1 - stack[::-1].index(_MARK)
-                    del stack[i:]
-                    npop = npop if to_mark else 0
-                if npop:
-                    del stack[len(stack) - npop:]
-                stack.extend([None] * npush)
-    except (ValueError, IndexError, KeyError) as e:
+        scanner = _StorageRefScanner(data)
+        scanner.load()
+    except Exception as e:  # noqa: BLE001 - whatever a stub could not stand in for
         raise CheckpointLayoutError(
-            f"{path}: cannot list the tensor storages its pickle refers to ({e}); the pickle is not "
-            "one torch.save writes. Re-save the checkpoint with torch.save.") from None
+            f"{path}: cannot list the tensor storages its pickle refers to ({type(e).__name__}: {e}); the "
+            "pickle is not one torch.save writes. Re-save the checkpoint with torch.save.") from None
+    refs: dict = {}
+    for pid in scanner.pids:
+        ok = isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")
+        dtype = _storage_dtype(getattr(pid[1], "global_name", None)) if ok else None
+        if dtype is None or not isinstance(pid[4], int):
+            raise CheckpointLayoutError(
+                f"{path}: its pickle refers to {pid!r}, which is not a storage torch.save writes "
+                "('storage', <dtype>Storage, key, location, elements). Re-save the checkpoint with torch.save.")
+        key = f"{pid[2]}"  # torch reads record data/{key}
+        ref = _StorageRef(key, dtype, pid[4])
+        if refs.setdefault(key, ref) != ref:
+            raise CheckpointLayoutError(
+                f"{path}: its pickle refers to storage {key} as {refs[key].numel} {refs[key].dtype} elements "
+                f"and as {ref.numel} {ref.dtype}; the file was edited. Re-save it with torch.save.")
     return list(refs.values())
 
 
@@ -817,7 +808,8 @@ class RangeReader:
         if path not in self._spans:
             spans = None
             if not path.endswith(".safetensors") and _file_kind(path) == "zip":
-                recs = sorted((r.data_offset, r.data_offset + r.size) for r in _zip_index(_stat_key(path)).records.values()
+                index = _zip_index(_stat_key(path))
+                recs = sorted((r.data_offset, r.data_offset + r.size) for r in index.records.values()
                               if r.name.startswith("data/") and r.stored)
                 spans = ([a for a, _ in recs], [b for _, b in recs])
             self._spans[path] = spans

@@ -242,7 +242,8 @@ def test_a_central_directory_pointing_at_the_wrong_bytes_is_refused(tmp_path):
         at = raw.index(b"PK\x01\x02", at + 4)
     raw[at + 42: at + 46] = (info.header_offset + 8).to_bytes(4, "little")
     bad.write_bytes(bytes(raw))
-    refused(lambda: mo.inspect(bad), bad, r"places checkpoint_2_consolidated/data/5 at byte \d+, which holds no local file header")
+    refused(lambda: mo.inspect(bad), bad,
+            r"places checkpoint_2_consolidated/data/5 at byte \d+, which holds no local file header")
 
 
 # --------------------------------------------------------------------------- the reader's own guard
