@@ -264,3 +264,27 @@ def test_a_read_outside_every_storage_record_is_refused():
                 reader.read_extent(ext, 0, torch.empty(ext.numel, dtype=t.dtype), t.dtype)
     ref = torch.load(SINGLETON, weights_only=False)["model"]["decoder.embed_tokens.weight"]
     assert torch.equal(out, ref.reshape(-1))
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_listing_the_storages_runs_nothing_of_the_pickle(tmp_path):
+    """The storage references are listed by replaying the pickle with stubs: a payload that
+    torch's allowlist refuses is not run by the listing either (it runs under trust_pickle
+    only, as documented)."""
+    from metaseq_oneload._reading import _storage_refs
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {"w": torch.zeros(3)}, "x": _Payload(marker)}, path)
+    refs = _storage_refs(_record(path, "data.pkl"), str(path))
+    assert [(r.key, r.dtype, r.numel) for r in refs] == [("0", torch.float32, 3)]
+    assert not marker.exists()
