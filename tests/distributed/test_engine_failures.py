@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import needs_fixtures
+from tests.conftest import FIXTURES, needs_fixtures
 from tests.distributed.harness import run_ranks
 from tests.distributed.workers import expect_failure
 
@@ -51,8 +52,17 @@ def test_an_empty_folder_is_a_rank_that_cannot_see_the_files(tmp_path):
 
 # --------------------------------------------------------------------------- arrival, lost ranks, big messages
 #
-# Workers live here (module level, so spawned ranks import them). One 4-rank process group
-# runs every arrival case in turn; each lost-rank case needs its own (a killed rank breaks it).
+# One run of 5 real gloo ranks covers every case (spawning ranks is what costs here): first
+# the arrival and message cases on ranks 0-3, then three ranks killed one after another,
+# each in its own 3-rank group (a killed rank breaks only the groups it is in), while ranks
+# 1 and 2 survive all three and report.
+
+FOUR = [0, 1, 2, 3]
+KILLS = [  # scenario, group, victim, the step the survivors must name
+    ("reader_mid_broadcast", [0, 1, 2], 0, r"reading \(broadcast, bucket \d+ of \d+\)"),
+    ("receiver_mid_scatter", [1, 2, 3], 3, r"reading \(scatter, bucket \d+ of \d+\)"),
+    ("rank_mid_reshard", [1, 2, 4], 4, r"reading"),
+]
 
 
 def _sha256(folder) -> dict:
@@ -62,13 +72,13 @@ def _sha256(folder) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).iterdir()) if p.is_file()}
 
 
-def arrival_cases(rank: int, world: int) -> dict:
-    """On 4 ranks: (a) rank 3 fails before the load and goes on; (b) the same in a 2x2 grid;
-    (c) rank 3 arrives late but within the timeout; (d) every rank fails with a 30 MB message.
-    Returns, per case, what this rank saw and how long it took."""
+def _arrival_cases(rank: int, four) -> dict:
+    """On ranks 0-3: (a) rank 3 fails before the load and goes on; (b) the same in a 2x2
+    grid; (c) rank 3 arrives late but within the timeout; (d) every rank fails with a 30 MB
+    message, against (baseline) a load that succeeds. Per case: what this rank saw, how long."""
     import time
 
-    import torch.distributed as dist
+    import torch.distributed.tensor  # noqa: F401  (load_into imports it on first use: not the cost measured)
 
     import metaseq_oneload as mo
     import metaseq_oneload._loading as engine
@@ -76,10 +86,10 @@ def arrival_cases(rank: int, world: int) -> dict:
     from tests.tiny_metaseq import TinyMetaseqLM
 
     out: dict = {}
-    big = f"rank {rank}: missing " + ", ".join(f"shard{i}.pt" for i in range(3_000_000))
-    world_group = dist.group.WORLD
+    big = f"rank {rank}: missing shard0.pt, " + "shard.pt, " * 3_000_000
     mp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dist.barrier(group=four)
 
     def attempt(case, fn):
         t0 = time.perf_counter()
@@ -89,12 +99,10 @@ def arrival_cases(rank: int, world: int) -> dict:
         except mo.DistributedLoadError as e:
             out[case] = {"ok": False, "seconds": time.perf_counter() - t0, "message": str(e)[:20000],
                          "length": len(str(e)), "failures": {str(k): v for k, v in e.failures.items()}}
-        dist.barrier()  # the next case starts together
+        dist.barrier(group=four)  # the next case starts together
 
     # (a) A rank whose caller caught an error before the load: the others give up after
     # arrival_timeout, naming it, with their module untouched.
-    import torch.distributed.tensor  # noqa: F401  (load_into imports it on first use: not the cost measured)
-
     torch.manual_seed(rank)
     model = TinyMetaseqLM()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -105,7 +113,7 @@ def arrival_cases(rank: int, world: int) -> dict:
                 raise OSError("this rank's data loader failed before the load")
             except OSError:
                 return  # caught by its caller: this rank goes on without loading
-        mo.load_into(model, FIXTURES / "singleton", process_group=world_group, arrival_timeout=1.5)
+        mo.load_into(model, FIXTURES / "singleton", process_group=four, arrival_timeout=1.5)
 
     attempt("absent", absent)
     out["absent"]["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -132,7 +140,7 @@ def arrival_cases(rank: int, world: int) -> dict:
 
     # (d) Every rank fails with a 30 MB message (a discovery that lists everything): the
     # error arrives as fast as a success does, with a message of a few kilobytes.
-    attempt("baseline", lambda: mo.load_state_dict(FIXTURES / "singleton", process_group=world_group))
+    attempt("baseline", lambda: mo.load_state_dict(FIXTURES / "singleton", process_group=four))
 
     def huge():
         def discover(path, **kw):
@@ -140,7 +148,7 @@ def arrival_cases(rank: int, world: int) -> dict:
 
         saved, engine.discover = engine.discover, discover
         try:
-            mo.load_state_dict(FIXTURES / "singleton", process_group=world_group)
+            mo.load_state_dict(FIXTURES / "singleton", process_group=four)
         finally:
             engine.discover = saved
 
@@ -148,12 +156,74 @@ def arrival_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _killed_mid_load(rank: int, scenario: str, group, victim: int, tmp: str) -> Optional[dict]:
+    """``victim`` kills itself (SIGKILL) part-way through a load on ``group``; the others
+    return what they saw and when."""
+    import signal
+    import time
+
+    import metaseq_oneload as mo
+    from tests.conftest import FIXTURES
+
+    calls = {"n": 0}
+
+    def die(nbytes):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            with open(os.path.join(tmp, f"{scenario}.killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    kw = {
+        "reader_mid_broadcast": dict(strategy="broadcast", bucket_mb=0.001),
+        "receiver_mid_scatter": dict(strategy="broadcast", bucket_mb=0.001, flat=True),
+        "rank_mid_reshard": dict(strategy="reshard", flat=True),
+    }[scenario]
+    try:
+        mo.load_state_dict(FIXTURES / "fsdp_dp3", process_group=group, progress=die if rank == victim else None, **kw)
+    except mo.DistributedLoadError as e:
+        return {"t": time.time(), "message": str(e), "failures": {str(k): v for k, v in e.failures.items()},
+                "cause": type(e.__cause__).__name__}
+    raise AssertionError(f"rank {rank}: the load went on without rank {victim}")
+
+
+def five_ranks(rank: int, world: int, tmp: str) -> dict:
+    import datetime
+    import json
+
+    four = dist.new_group(FOUR)
+    groups = [dist.new_group(g) for _, g, _, _ in KILLS]
+    if rank in FOUR:
+        with open(os.path.join(tmp, f"arrivals{rank}.json"), "w") as f:
+            json.dump(_arrival_cases(rank, four), f)  # kept even if this rank is killed below
+    dist.barrier()  # the last collective of the world group: ranks die from here on
+    store = dist.distributed_c10d._get_default_store()
+    out = {}
+    for (scenario, members, victim, _), group in zip(KILLS, groups):
+        if rank not in members:
+            continue
+        out[scenario] = _killed_mid_load(rank, scenario, group, victim, tmp)
+        store.set(f"test/{scenario}/done/{rank}", "1")
+    for scenario, members, victim, _ in KILLS:  # stay until the others are done (a rank's exit resets its links)
+        store.wait([f"test/{scenario}/done/{r}" for r in members if r != victim], datetime.timedelta(seconds=120))
+    return out
+
+
 @pytest.fixture(scope="module")
-def arrivals(tmp_path_factory):
-    return run_ranks(4, arrival_cases, tmp_path=tmp_path_factory.mktemp("arrivals"), timeout=60)
+def five(tmp_path_factory):
+    import json
+
+    tmp = tmp_path_factory.mktemp("five")
+    before = _sha256(FIXTURES / "fsdp_dp3")
+    results = run_ranks(5, five_ranks, str(tmp), tmp_path=tmp, timeout=60, may_die=tuple(v for _, _, v, _ in KILLS))
+    arrivals = [json.loads((tmp / f"arrivals{r}.json").read_text()) for r in FOUR]
+    killed_at = {scenario: float((tmp / f"{scenario}.killed_at").read_text()) for scenario, _, _, _ in KILLS}
+    return {"arrivals": arrivals, "results": results, "killed_at": killed_at,
+            "unchanged": _sha256(FIXTURES / "fsdp_dp3") == before}
 
 
-def test_a_rank_that_never_arrives_is_named_within_the_arrival_timeout(arrivals):
+def test_a_rank_that_never_arrives_is_named_within_the_arrival_timeout(five):
+    arrivals = five["arrivals"]
     for rank in (0, 1, 2):
         a = arrivals[rank]["absent"]
         assert not a["ok"]
@@ -166,83 +236,42 @@ def test_a_rank_that_never_arrives_is_named_within_the_arrival_timeout(arrivals)
     assert arrivals[3]["absent"]["ok"]  # it never called the load
 
 
-def test_a_missing_rank_of_a_grid_stops_its_neighbours_of_both_groups(arrivals):
+def test_a_missing_rank_of_a_grid_stops_its_neighbours_of_both_groups(five):
     for rank in (0, 1, 2):
-        a = arrivals[rank]["absent_in_grid"]
+        a = five["arrivals"][rank]["absent_in_grid"]
         assert not a["ok"], rank
         assert re.search(r"rank 3 of the (data|model)-parallel group \[(1, 3|2, 3)\] did not arrive", a["message"]), a
         assert a["failures"] == {"3": "never arrived"}
         assert a["seconds"] < 6, (rank, a["seconds"])  # two check-ins at most
 
 
-def test_a_late_rank_within_the_timeout_loads(arrivals):
-    assert [r["late"]["ok"] for r in arrivals] == [True] * 4, arrivals
+def test_a_late_rank_within_the_timeout_loads(five):
+    assert [r["late"]["ok"] for r in five["arrivals"]] == [True] * 4, five["arrivals"]
 
 
-def test_huge_messages_are_clipped_and_as_fast_as_a_load(arrivals):
-    for rank in range(4):
-        h = arrivals[rank]["huge"]
+def test_huge_messages_are_clipped_and_as_fast_as_a_load(five):
+    for rank, r in enumerate(five["arrivals"]):
+        h = r["huge"]
         assert not h["ok"]
         assert "agreeing on the checkpoint failed on 4 rank(s) (0, 1, 2, 3)" in h["message"], h["message"][:500]
-        assert re.search(r"rank 0: CheckpointLayoutError: rank 0: missing shard0\.pt, .* \(\d+ more characters\)",
+        assert re.search(r"rank 0: CheckpointLayoutError: rank 0: missing shard0\.pt, shard\.pt, .* \(\d+ more characters\)",
                          h["message"])
         assert h["length"] < 20_000, h["length"]
-        assert arrivals[rank]["baseline"]["ok"]
-        assert h["seconds"] < arrivals[rank]["baseline"]["seconds"] + 1.5, (h["seconds"], arrivals[rank]["baseline"])
+        assert r["baseline"]["ok"]
+        assert h["seconds"] < r["baseline"]["seconds"] + 1.5, (h["seconds"], r["baseline"])
 
 
-def killed_mid_load(rank: int, world: int, scenario: str, victim: int, tmp: str) -> dict:
-    """``victim`` is killed (SIGKILL) part-way through a load; the others report what they saw."""
-    import signal
-    import time
-
-    import metaseq_oneload as mo
-    from tests.conftest import FIXTURES
-
-    calls = {"n": 0}
-
-    def die_at(n):
-        def progress(nbytes):
-            calls["n"] += 1
-            if calls["n"] == n:
-                with open(os.path.join(tmp, "killed_at"), "w") as f:
-                    f.write(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
-        return progress
-
-    kw = {
-        "reader_mid_broadcast": dict(strategy="broadcast", bucket_mb=0.001),
-        "receiver_mid_scatter": dict(strategy="broadcast", bucket_mb=0.001, flat=True),
-        "rank_mid_reshard": dict(strategy="reshard", flat=True),
-    }[scenario]
-    try:
-        mo.load_state_dict(FIXTURES / "fsdp_dp3", process_group=dist.group.WORLD,
-                           progress=die_at(3) if rank == victim else None, **kw)
-    except mo.DistributedLoadError as e:
-        return {"t": time.time(), "message": str(e), "failures": {str(k): v for k, v in e.failures.items()},
-                "cause": type(e.__cause__).__name__}
-    raise AssertionError(f"rank {rank}: the load went on without rank {victim}")
-
-
-@pytest.mark.parametrize("scenario,victim,step", [
-    ("reader_mid_broadcast", 0, r"reading \(broadcast, bucket \d+ of \d+\)"),
-    ("receiver_mid_scatter", 2, r"reading \(scatter, bucket \d+ of \d+\)"),
-    ("rank_mid_reshard", 1, r"reading"),
-])
-def test_a_rank_killed_mid_load_is_named_on_every_other_rank(tmp_path, scenario, victim, step):
-    from tests.conftest import FIXTURES
-
-    before = _sha256(FIXTURES / "fsdp_dp3")
-    results = run_ranks(3, killed_mid_load, scenario, victim, str(tmp_path), tmp_path=tmp_path, timeout=60,
-                        may_die=(victim,))
-    killed_at = float((tmp_path / "killed_at").read_text())
-    assert results[victim] is None
-    for rank, r in enumerate(results):
+@pytest.mark.parametrize("scenario,members,victim,step", KILLS, ids=[k[0] for k in KILLS])
+def test_a_rank_killed_mid_load_is_named_on_every_other_rank(five, scenario, members, victim, step):
+    for rank in members:
         if rank == victim:
+            assert five["results"][rank] is None  # it died
             continue
-        assert re.search(rf"loading .*fsdp_dp3: {step}: rank {victim} of the data-parallel group \[0, 1, 2\] is "
+        r = five["results"][rank][scenario]
+        where = re.escape(f"[{', '.join(map(str, members))}]")
+        assert re.search(rf"loading .*fsdp_dp3: {step}: rank {victim} of the data-parallel group {where} is "
                          r"gone \(its process ended\)\. Rank \d stops here", r["message"]), r["message"]
         assert "Backend error: RuntimeError" in r["message"]
-        assert r["cause"] == "RuntimeError" and r["failures"] == {str(victim): r["failures"][str(victim)]}
-        assert r["t"] - killed_at < 5, (rank, r["t"] - killed_at)
-    assert _sha256(FIXTURES / "fsdp_dp3") == before
+        assert r["cause"] == "RuntimeError" and list(r["failures"]) == [str(victim)]
+        assert r["t"] - five["killed_at"][scenario] < 5, (rank, r["t"] - five["killed_at"][scenario])
+    assert five["unchanged"]  # the files read are as they were
