@@ -49,7 +49,6 @@ from ._core import (
     _engine_load,
     _fsdp_root,
     _locate,
-    _named_part,
     _original,
     _Patches,
     _place_optimizer_state,
@@ -73,14 +72,14 @@ logger = logging.getLogger("metaseq_oneload")
 # calls, then loads exactly what that trainer's model holds.
 _CONTEXT = threading.local()
 
-# fairseq's model-parallel models and criteria, and what builds the same network in one
-# process (same parameter names; Megatron's layers only split them).
+# fairseq's model-parallel language model (its model and arch names) and criterion, and what
+# builds the same network in one process: the same parameter names, which Megatron's layers
+# only split; checked to give the parts' gathered logits. Other model-parallel models are
+# not mapped (their single-process networks were not checked): they need their group.
 _SINGLE_PROCESS_MODEL = {
     "model_parallel_transformer_lm": "transformer_lm",
     "transformer_lm_megatron": "transformer_lm",
     "transformer_lm_megatron_11b": "transformer_lm",
-    "model_parallel_transformer": "transformer",
-    "model_parallel_roberta": "roberta",
 }
 _SINGLE_PROCESS_CRITERION = {"vocab_parallel_cross_entropy": "cross_entropy"}
 
@@ -255,8 +254,10 @@ def _engine_state(layout, ctx: Optional[_TrainerLoad], dp: Any, mp: Any, arg_ove
     state.pop("fsdp_metadata", None)
     state.pop("shard_metadata", None)
     structure = FlatStructure.from_metadata(lc.shard_metadata) if flat else None
-    if skip:
-        state.pop(OPT_KEY, None) if ctx is None else state.__setitem__(OPT_KEY, None)
+    if ctx is None:
+        state.pop(OPT_KEY, None)  # a model to evaluate: fairseq reads no optimizer state there
+    elif skip:
+        state[OPT_KEY] = None
     else:
         _place_optimizer_state(state, layout, flat=flat, model_fsdp=model_fsdp, part=mp_rank, parts=mp_size,
                                shard=dp_rank, shards=dp_size, ctx=ctx, qkv=qkv, structure=structure)
@@ -307,6 +308,16 @@ def _load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stri
             )
         loaded = _engine_state(layout, None, None, mp, arg_overrides)
         if layout.model_parallel_size > 1 and mp is None:
+            model_cfg = loaded["cfg"].get("model") if loaded.get("cfg") is not None else None
+            name = _get(model_cfg, "_name") or _get(model_cfg, "arch")
+            if name not in _SINGLE_PROCESS_MODEL.values():
+                raise CheckpointLayoutError(
+                    f"{layout.display_name}: saved with model-parallel size {layout.model_parallel_size} (model "
+                    f"{name}) and this process has no model-parallel group; only "
+                    f"{', '.join(sorted(_SINGLE_PROCESS_MODEL))} have a checked single-process counterpart. "
+                    "Run it with --model-parallel-size "
+                    f"{layout.model_parallel_size} on {layout.model_parallel_size} ranks."
+                )
             if task is None:
                 from fairseq import tasks
 

@@ -42,7 +42,8 @@ def skip_reason() -> str:
     """Why real fairseq runs cannot happen here ("" when they can)."""
     for name in ("fairseq", "fairscale", "omegaconf", "hydra"):
         if importlib.util.find_spec(name) is None:
-            return f"{name} is not importable in this Python ({sys.executable}); see tests/fixtures/fairseq/README.md"
+            return (f"{name} is not importable in this Python ({sys.executable}); "
+                    "see docs/fairseq/README.md#running-the-fairseq-tests")
     return ""
 
 
@@ -113,10 +114,12 @@ class Result:
 
 def run(command: str, world: int, args: Sequence[str], *, cwd: Path, oneload_env: Optional[str] = None,
         timeout: float = 300) -> Result:
-    """fairseq's ``command`` (train, validate, eval_lm) on ``world`` ranks; for several,
-    ``--distributed-world-size`` and gloo are added. ``oneload_env``: METASEQ_ONELOAD."""
+    """fairseq's ``command`` (train, validate, eval_lm) on ``world`` ranks, under torchrun
+    (with ``--distributed-world-size`` and gloo) for several ranks and for training: fairseq's
+    FSDP wrapper broadcasts through torch.distributed even on one rank.
+    ``oneload_env``: METASEQ_ONELOAD."""
     args = list(args)
-    if world == 1:
+    if world == 1 and command != "train":
         cmd = [sys.executable, str(RUNNER), command, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",

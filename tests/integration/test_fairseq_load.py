@@ -88,7 +88,8 @@ def test_num_shards_that_contradicts_the_files_is_refused(fairseq_patched):
 
 
 @pytest.mark.parametrize("name, checkpoint_file", [("fsdp", "checkpoint_last.pt"), ("part3", "checkpoint_last.pt"),
-                                                    ("fsdp_wrap", "checkpoint_last-shard1.pt")])
+                                                    ("fsdp_wrap", "checkpoint_last-shard1.pt"),
+                                                    ("mp2", "checkpoint_last-model_part-1.pt")])
 def test_from_pretrained_on_a_sharded_folder(fairseq_patched, name, checkpoint_file):
     import torch
     from fairseq.models.transformer_lm import TransformerLanguageModel
@@ -96,7 +97,8 @@ def test_from_pretrained_on_a_sharded_folder(fairseq_patched, name, checkpoint_f
     hub = TransformerLanguageModel.from_pretrained(str(FAIRSEQ_FIXTURES / name), checkpoint_file,
                                                    data_name_or_path=str(FAIRSEQ_FIXTURES))
     ref = _reference(name)
-    assert torch.equal(_logits(hub.models[0], ref["tokens"]), ref["logits"])
+    tol = 1e-5 if name.startswith("mp") else 0.0  # merged model-parallel parts: another summation order
+    assert torch.allclose(_logits(hub.models[0], ref["tokens"]), ref["logits"], rtol=0, atol=tol)
 
 
 def test_stock_fairseq_fails_on_the_same_calls():
