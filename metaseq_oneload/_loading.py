@@ -261,11 +261,6 @@ def _own_shard_fits(layout: CheckpointLayout, mp_size: int, world: int, flat: bo
     return True, "the saved layout matches the world: each rank reads its own file"
 
 
-def _listing(items: Sequence[str], n: int = 4) -> str:
-    """Per-rank findings for a message: the first ``n``, then a count."""
-    return "; ".join(items[:n]) + (f" ... and {len(items) - n} more" if len(items) > n else "")
-
-
 def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLayout], mp_size: int,
             world: int, flat: bool, dp: Group) -> tuple:
     """(strategy, reason). Every rank of a data-parallel group computes the same answer
@@ -274,7 +269,7 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
     if broken:
         raise CheckpointLayoutError(
             "the checkpoint is damaged as some ranks see it: "
-            + _listing([f"rank {info['rank']}: {info['err']}" for info in broken])
+            + cap_list([f"rank {info['rank']}: {info['err']}" for info in broken], 4, sep="; ")
         )
     blind = [i for i, info in enumerate(infos) if not info["ok"]]
     if not infos[0]["ok"]:
@@ -286,7 +281,7 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
     if len(fps) > 1:
         odd = [f"rank {info['rank']}: {info['desc']}" for info in infos if info["ok"]]
         raise CheckpointLayoutError(
-            "the ranks see different checkpoint files (" + _listing(odd) + "). Every rank must see the "
+            "the ranks see different checkpoint files (" + cap_list(odd, 4, sep="; ") + "). Every rank must see the "
             "same files (or none, with strategy='broadcast'); sync the folder or fix the path."
         )
     if blind:
@@ -674,7 +669,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         if len(readers) > 1:
             seen = [f"rank {i['rank']}: {i['desc']}" for i in mp_infos if i["ok"]]
             raise CheckpointLayoutError(
-                "ranks of different model-parallel parts see different checkpoint files (" + _listing(seen) + ")."
+                "ranks of different model-parallel parts see different checkpoint files (" + cap_list(seen, 4, sep="; ") + ")."
             )
     except Exception as e:
         error = e
@@ -1125,11 +1120,11 @@ def load_into(
                  for n in owned if n in targets and tuple(targets[n].shape) != tuple(entries[n].shape)]
         problems = []
         if wrong:
-            problems.append("wrong shape: " + "; ".join(wrong[:5]) + (f" (+{len(wrong) - 5})" if len(wrong) > 5 else ""))
+            problems.append("wrong shape: " + cap_list(wrong, sep="; "))
         if strict and missing:
-            problems.append("missing from the checkpoint: " + ", ".join(missing[:5]) + (f" (+{len(missing) - 5})" if len(missing) > 5 else ""))
+            problems.append("missing from the checkpoint: " + cap_list(missing))
         if strict and unexpected:
-            problems.append("not in the module: " + ", ".join(sorted(unexpected)[:5]) + (f" (+{len(unexpected) - 5})" if len(unexpected) > 5 else ""))
+            problems.append("not in the module: " + cap_list(sorted(unexpected)))
         if problems:
             raise StateDictMismatchError(
                 f"{type(module).__name__} does not match {path}: " + " | ".join(problems)

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
-from ._errors import ConversionError, OutputExistsError
+from ._errors import ConversionError, OutputExistsError, cap_list
 
 __all__ = [
     "ConversionError",
@@ -533,11 +533,6 @@ def source_clash(path: str, sources: Iterable[str]) -> Optional[str]:
 # --------------------------------------------------------------------------- output set
 
 
-def _cap_names(paths: Sequence[str], n: int = 4) -> str:
-    names = [os.path.basename(p) for p in paths]
-    return ", ".join(names[:n]) + (f" ... and {len(names) - n} more" if len(names) > n else "")
-
-
 def destination_error(path: str, e: OSError, doing: str = "cannot write") -> "ConversionError":
     """The :class:`ConversionError` for an ``OSError`` of the destination: what failed, why,
     and what to do (``raise destination_error(...) from e``)."""
@@ -608,8 +603,7 @@ class OutputSet:
         try:
             existing = [f for f in self.finals + self.replaces if os.path.lexists(f)]
             if existing and not self.overwrite:
-                names = ", ".join(os.path.basename(f) for f in existing[:4]) + (
-                    f" ... and {len(existing) - 4} more" if len(existing) > 4 else "")
+                names = cap_list(existing, 4, fmt=os.path.basename)
                 raise OutputExistsError(
                     f"{os.path.dirname(existing[0])}: {len(existing)} destination file(s) exist ({names}); "
                     "nothing was written. Pass overwrite=True (CLI: --overwrite) to replace them, or choose "
@@ -636,7 +630,7 @@ class OutputSet:
                 os.close(fd)
                 raise OutputExistsError(
                     f"{os.path.dirname(self.lock_path)}: another conversion ({holder}) is writing "
-                    f"{_cap_names(self.finals)} right now; nothing was written. Wait for it to finish, or choose "
+                    f"{cap_list(self.finals, 4, fmt=os.path.basename)} right now; nothing was written. Wait for it to finish, or choose "
                     "another destination prefix.") from None
             except OSError as e:  # no flock here (some network file systems)
                 os.close(fd)
