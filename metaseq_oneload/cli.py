@@ -409,6 +409,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._fn(args) or 0)
+    except BrokenPipeError:  # stdout closed early (| head): stop quietly, as cat does
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except (OneloadError, FileNotFoundError, ValueError, KeyboardInterrupt) as e:
         if args.debug:
             raise

@@ -46,3 +46,16 @@ def test_errors(capsys, argv, message):
     assert main(["plan", str(FIXTURES / "fsdp_dp3")] + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("metaseq-oneload plan: error: ") and message in err
+
+
+def test_a_closed_pipe_stops_quietly():
+    """`metaseq-oneload plan ... --json | head`: a 512-rank plan is longer than a pipe holds."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "metaseq_oneload", "plan", str(FIXTURES / "fsdp_dp3"), "-w", "512",
+                          "--flat", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "Error" not in err, err
