@@ -4,7 +4,7 @@ every layout through the engine and reproduce the logits metaseq itself produced
 
 metaseq is not on PyPI; these tests run where it is importable (installed from its
 repository) and skip otherwise. On a CPU-only torch metaseq needs
-../shared/tools/metaseq_cpu_shim.py, whose own fixes for torch.load's weights_only and for
+tests/integration_shims/metaseq_cpu_shim.py, whose own fixes for torch.load's weights_only and for
 fairscale's load_local_state_dict are taken back here: install() must provide both.
 """
 
@@ -18,14 +18,15 @@ import torch
 from tests.conftest import FIXTURES, REPO, needs_fixtures
 from tests.distributed.harness import run_ranks
 
-SHIM = REPO.parent / "shared" / "tools" / "metaseq_cpu_shim.py"
+# Run-time fixes for metaseq on Python 3.11, a CPU-only torch and fairscale 0.4.13 (see its docstring).
+SHIM = REPO / "tests" / "integration_shims" / "metaseq_cpu_shim.py"
 
 
 def _why_not() -> str:
     spec = importlib.util.find_spec("metaseq")
     if spec is None or not spec.submodule_search_locations or not any(
             os.path.exists(os.path.join(p, "checkpoint_utils.py")) for p in spec.submodule_search_locations):
-        return "metaseq is not importable here (it is not on PyPI; install it from its repository, see ../shared/METASEQ.md)"
+        return "metaseq is not importable here (it is not on PyPI; install it from its repository, see tests/integration/README.md)"
     if importlib.util.find_spec("fairscale") is None:
         return "metaseq needs fairscale"
     if not torch.cuda.is_available() and not SHIM.exists():
