@@ -80,8 +80,9 @@ class OneloadConfig:
     :func:`metaseq_oneload.install` has patched the loading path."""
 
     # auto: each rank reads its own file when the saved layout matches the world, else the
-    # byte ranges it needs; own_shard / reshard / broadcast force one (reshard also lets
-    # settings the user gave win over the files'); off: leave metaseq's loading alone.
+    # byte ranges it needs; own_shard / reshard / broadcast force one (own_shard also refuses
+    # a given model-parallel size or backend the files do not have, reshard lets a given
+    # checkpoint_shard_count win over the files'); off: leave metaseq's loading alone.
     strategy: str = "auto"
     # The checkpoint the settings are read from (and ${oneload:KEY}'s default path); the
     # weights still come from where the app loads them. None: that same checkpoint
