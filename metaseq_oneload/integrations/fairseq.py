@@ -352,6 +352,8 @@ def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_sch
     model = self.model
     fsdp = _fsdp_root(model)
     sharded = fsdp is not None and bool(self.cfg.distributed_training.use_sharded_state)
+    if fsdp is not None and not sharded and not reset_optimizer:
+        _refuse_unless_full_fsdp_optimizer(layout)
     dp, mp = _groups(self)
     group = _real_group(fsdp.process_group) if sharded else dp
     inner = getattr(self, "_model", None) or model
@@ -365,6 +367,25 @@ def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_sch
                         optimizer_overrides, reset_meters)
     finally:
         _CONTEXT.load, _CONTEXT.groups = previous
+
+
+def _refuse_unless_full_fsdp_optimizer(layout) -> None:
+    """(every rank, local) FSDP without sharded state takes only fairscale's full optimizer
+    state (indexed by its ``param_id_map``); only data-parallel rank 0 reads the checkpoint,
+    so a refusal there would leave the other ranks waiting for its broadcast. Every rank
+    checks the saved format first and raises the same error."""
+    if layout.flat:
+        saved = "FSDP flat shards"
+    else:
+        opt = _reading.load_object(layout.all_files[0].path, mmap=True).get(OPT_KEY)
+        if not isinstance(opt, Mapping) or "param_id_map" in opt:
+            return  # fairscale's format, or nothing to restore: fairseq's own path
+        saved = "an unsharded optimizer state"
+    raise CheckpointLayoutError(
+        f"{layout.display_name}: its optimizer state cannot be restored here: it holds {saved} and this run's "
+        "optimizer (FSDP without --use-sharded-state) expects a full FSDP optimizer state. Pass "
+        "--use-sharded-state to have it resharded, or --reset-optimizer to start from fresh optimizer state "
+        "(the weights load either way).")
 
 
 # --------------------------------------------------------------------------- command line

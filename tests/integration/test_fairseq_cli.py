@@ -94,9 +94,27 @@ def test_sharded_run_resumes_on_another_world_size_with_its_optimizer_state(work
     assert sorted(sharded.losses) == sorted(stock.losses) == [3, 4, 5]
     # Update 3's logged loss averages in the meters each checkpoint kept; 4 and 5 are clean.
     for u in (4, 5):
-        assert abs(sharded.losses[u] - stock.losses[u]) < 2e-3, (sharded.losses, stock.losses)
+        assert abs(sharded.losses[u] - stock.losses[u]) < 1.5e-3, (sharded.losses, stock.losses)  # 3 decimals logged
     if world == 3:
         reset = _resume(work, tmp_path, "reset", world, "fsdp", "--use-sharded-state", "--reset-optimizer",
                         oneload_env="auto")
-        # fairseq restarts the update count with the optimizer; the 2nd resumed update shows it.
-        assert abs(reset.losses[2] - sharded.losses[4]) > 5e-3, (reset.losses, sharded.losses)
+        # fairseq restarts the update count with the optimizer; from the 2nd resumed update on
+        # the fresh Adam state shows (measured: 5.642 / 5.605 against 5.649 / 5.613).
+        assert max(abs(reset.losses[u - 2] - sharded.losses[u]) for u in (4, 5)) > 5e-3, (reset.losses,
+                                                                                          sharded.losses)
+
+
+def test_an_optimizer_state_fsdp_without_sharded_state_cannot_take_stops_every_rank(work, tmp_path):
+    """There only data-parallel rank 0 reads the checkpoint; the refusal must not leave rank 1
+    waiting for its broadcast."""
+    save = tmp_path / "full"
+    save.mkdir()
+    for f in (FAIRSEQ_FIXTURES / "fsdp").glob("checkpoint_last*.pt"):
+        shutil.copy(f, save / f.name)
+    args = ["DATA", *MODEL, "--save-dir", str(save), "--max-update", "3", "--ddp-backend", "fully_sharded", "--no-save"]
+    out = run("train", 2, args, cwd=work, oneload_env="auto", timeout=180)
+    assert out.returncode != 0
+    for rank in (0, 1):
+        assert (f"[rank{rank}]: metaseq_oneload._errors.CheckpointLayoutError: {save / 'checkpoint_last'}: its "
+                "optimizer state cannot be restored here: it holds FSDP flat shards") in out.output, out.output[-3000:]
+    assert "Pass --use-sharded-state to have it resharded, or --reset-optimizer" in out.output
