@@ -26,6 +26,13 @@ def run(tmp_path, code: str) -> dict:
     (site / "fairseq").mkdir(parents=True)
     (site / "fairseq" / "__init__.py").write_text("")
     (site / "fairseq" / "checkpoint_utils.py").write_text(FAKE_FAIRSEQ)
+    # the other names fairseq's patch replaces
+    (site / "fairseq" / "options.py").write_text("def parse_args_and_arch(parser, input_args=None):\n    pass\n")
+    (site / "fairseq" / "trainer.py").write_text("class Trainer:\n    def load_checkpoint(self, filename):\n        pass\n")
+    (site / "fairseq" / "distributed").mkdir()
+    (site / "fairseq" / "distributed" / "__init__.py").write_text("")
+    (site / "fairseq" / "distributed" / "utils.py").write_text(
+        "def broadcast_object(obj, src_rank, group, dist_device=None):\n    return obj\n")
     (site / "metaseq").mkdir()  # importable, and not metaseq: patching it fails (also where the
     # real metaseq is installed too, whose submodules its editable finder would hand out)
     (site / "metaseq" / "__init__.py").write_text(
