@@ -124,6 +124,13 @@ def test_what_the_model_requires_comes_first():
                       explicit={"distributed_training.use_sharded_state"}, requires={"use_sharded_state": (True, why)})
 
 
+def test_sharded_state_beside_pytorch_ddp_parts_is_not_stale():
+    # metaseq's model-parallel transformer saves use_sharded_state=True under pytorch_ddp:
+    # what the run needed, not a cfg left over from another layout (no warning).
+    assert mo.inspect(FIXTURES / "mp2_ddp").warnings == ()
+    assert any("use_sharded_state=True" in w for w in mo.inspect(FIXTURES / "singleton").warnings)  # FSDP's
+
+
 def test_reshard_lets_the_user_win():
     cfg = metaseq_cfg(distributed_training={"ddp_backend": "pytorch_ddp"})
     changes = fill_settings(cfg, mo.inspect(FIXTURES / "mp2_dp2"), strategy="reshard",
