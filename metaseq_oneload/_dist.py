@@ -322,7 +322,8 @@ class Group:
                 store.wait([f"{key}/state"], datetime.timedelta(seconds=timeout))
             except Exception:  # noqa: BLE001  (the store's own timeout error)
                 missing = [r for r in members if not store.check([f"{key}/r{r}"])]
-                state = self._resolve(store, base, gen, json.dumps({"missing": missing}))
+                # Everyone may have come in the moment since the wait ended: then it is complete.
+                state = self._resolve(store, base, gen, json.dumps({"missing": missing}) if missing else "ok")
         if state is None:
             state = store.get(f"{key}/state").decode()
         if state == "ok":

@@ -275,3 +275,18 @@ def test_a_rank_killed_mid_load_is_named_on_every_other_rank(five, scenario, mem
         assert r["cause"] == "RuntimeError" and list(r["failures"]) == [str(victim)]
         assert r["t"] - five["killed_at"][scenario] < 5, (rank, r["t"] - five["killed_at"][scenario])
     assert five["unchanged"]  # the files read are as they were
+
+
+def test_arrival_timeout_comes_from_the_keyword_the_environment_or_the_default(monkeypatch):
+    import metaseq_oneload as mo
+    from metaseq_oneload._dist import ARRIVAL_TIMEOUT_ENV, DEFAULT_ARRIVAL_TIMEOUT, arrival_timeout
+
+    monkeypatch.delenv(ARRIVAL_TIMEOUT_ENV, raising=False)
+    assert arrival_timeout() == DEFAULT_ARRIVAL_TIMEOUT == 300
+    monkeypatch.setenv(ARRIVAL_TIMEOUT_ENV, "12.5")
+    assert arrival_timeout() == 12.5 and arrival_timeout(3) == 3.0  # the keyword wins
+    monkeypatch.setenv(ARRIVAL_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=r"METASEQ_ONELOAD_ARRIVAL_TIMEOUT='soon': expected a number of seconds"):
+        arrival_timeout()
+    with pytest.raises(ValueError, match=r"arrival_timeout=0: expected a positive number of seconds"):
+        mo.load_state_dict(FIXTURES / "singleton", arrival_timeout=0)
