@@ -285,7 +285,8 @@ def test_overwrite_replaces_the_older_set(tmp_path):
         convert(_source("fsdp_dp3"), tmp_path / "ck", shards=2)  # shard2, shard3 would mix in
     r = convert(_source("fsdp_dp3"), tmp_path / "ck", shards=2, overwrite=True)
     assert sorted(os.path.basename(p) for p in r.removed) == ["ck-model_part-0-shard2.pt", "ck-model_part-0-shard3.pt"]
-    assert sorted(os.listdir(tmp_path)) == ["ck-model_part-0-shard0.pt", "ck-model_part-0-shard1.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ck-model_part-0-shard0.pt", "ck-model_part-0-shard1.pt",
+                                            "ck.oneload-index.json"]  # the new set's index replaced the old one's
     assert mo.inspect(tmp_path / "ck.pt").shards_per_part == 2
 
 
