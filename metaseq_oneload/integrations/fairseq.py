@@ -17,6 +17,9 @@ What :func:`patch` replaces, and why:
     A folder or an un-suffixed name reads as the whole checkpoint (this rank's part); a file
     that exists reads as fairseq reads it, through the safe reader. Inside
     ``Trainer.load_checkpoint`` it returns exactly what the trainer's model holds.
+``checkpoint_utils.load_checkpoint``
+    ``--finetune-from-model`` may name a set by its folder or un-suffixed name: fairseq
+    checks that the path is a file first.
 ``Trainer.load_checkpoint``
     ``checkpoint_last-shard2.pt`` of a run saved on 2 ranks is the same set; the state is
     loaded for this trainer's model (its FSDP shard for ``--use-sharded-state``, else the
@@ -92,6 +95,7 @@ def patch(patches: _Patches, *, hydra_schema: bool = False) -> None:
 
     _swap(patches, checkpoint_utils, "load_checkpoint_to_cpu", _load_checkpoint_to_cpu)
     _swap(patches, checkpoint_utils, "load_model_ensemble_and_task", _load_model_ensemble_and_task)
+    _swap(patches, checkpoint_utils, "load_checkpoint", _load_checkpoint)
     _swap(patches, trainer.Trainer, "load_checkpoint", _trainer_load_checkpoint)
     old = _swap(patches, distributed_utils, "broadcast_object", broadcast_object)
     _rebind(patches, "fairseq", "broadcast_object", old, broadcast_object)
@@ -332,6 +336,26 @@ def _load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stri
 
 
 # --------------------------------------------------------------------------- trainer
+
+
+def _load_checkpoint(cfg, trainer, **passthrough_args):
+    """(all ranks; collective, as fairseq's) fairseq's ``checkpoint_utils.load_checkpoint``
+    with ``--finetune-from-model`` naming a set by its folder or un-suffixed name (fairseq
+    checks that the path exists as a file: ``... does not exist``); the trainer then loads
+    the whole set, whatever file of it the name becomes."""
+    original = _original("fairseq.checkpoint_utils.load_checkpoint")
+    finetune = cfg.finetune_from_model
+    if finetune is None or _remote(finetune) or os.path.isfile(finetune):
+        return original(cfg, trainer, **passthrough_args)
+    try:
+        layout = _locate(finetune)
+    except CheckpointNotFoundError:
+        return original(cfg, trainer, **passthrough_args)  # fairseq says it does not exist
+    cfg.finetune_from_model = layout.all_files[0].path
+    try:
+        return original(cfg, trainer, **passthrough_args)
+    finally:
+        cfg.finetune_from_model = finetune
 
 
 def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,

@@ -118,3 +118,21 @@ def test_an_optimizer_state_fsdp_without_sharded_state_cannot_take_stops_every_r
         assert (f"[rank{rank}]: metaseq_oneload._errors.CheckpointLayoutError: {save / 'checkpoint_last'}: its "
                 "optimizer state cannot be restored here: it holds FSDP flat shards") in out.output, out.output[-3000:]
     assert "Pass --use-sharded-state to have it resharded, or --reset-optimizer" in out.output
+
+
+def test_finetune_from_a_sharded_set_by_its_unsuffixed_name(work, tmp_path):
+    """``--finetune-from-model fsdp/checkpoint_last.pt`` (no such file: the set is -shard0/1)
+    on one rank: fairseq alone says it does not exist; with the patch the run starts from
+    the merged weights, as from ddp2 (the same weights, one file)."""
+    name = FAIRSEQ_FIXTURES / "fsdp" / "checkpoint_last.pt"
+
+    def finetune(source, save, **kw):
+        args = ["DATA", *MODEL, "--save-dir", str(tmp_path / save), "--max-update", "3", "--finetune-from-model",
+                str(source), "--log-format", "json", "--log-interval", "1", "--no-save"]
+        return run("train", 1, args, cwd=work, **kw)
+
+    stock = finetune(name, "stock")
+    assert stock.returncode != 0 and f"--finetune-from-model {name} does not exist" in stock.output
+    merged = finetune(name, "merged", oneload_env="auto").check()
+    one_file = finetune(FAIRSEQ_FIXTURES / "ddp2" / "checkpoint_last.pt", "one_file").check()
+    assert sorted(merged.losses) == [1, 2, 3] and merged.losses == one_file.losses

@@ -57,3 +57,20 @@ def test_dictionaries_padded_once_each_as_megatron_did():
 def test_the_module_imports_no_fairseq():
     assert "fairseq" not in sys.modules or hasattr(sys.modules["fairseq"], "__version__")
     assert not any(name == "fairseq" for name in vars(fairseq_patch))
+
+
+def test_composing_the_oneload_group_leaves_hydras_version_base_as_it_was():
+    """fairseq 0.12.2's convert_namespace_to_omegaconf calls hydra.experimental.initialize,
+    which raises once Hydra's process-wide version_base is >= 1.2."""
+    import pytest
+
+    version = pytest.importorskip("hydra.version")
+    from metaseq_oneload import compose_oneload
+
+    instance = version.VersionBase.instance()
+    before = instance.version_base
+    compose_oneload(["+oneload=auto"])
+    assert instance.version_base is before
+    if before is getattr(version, "_UNSPECIFIED_", None):
+        assert not version.base_at_least("1.2")
+        instance.version_base = before  # base_at_least fixed it to 1.1; the program had not
