@@ -46,7 +46,7 @@ from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_fail
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
                       cap_list)
 from ._layout import CheckpointLayout, StoredTensor
-from .formats import discover
+from .formats import adopt, discover, to_wire
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
 from ._reading import RangeReader
 
@@ -607,6 +607,42 @@ def _problems(dp: Group, mp: Group) -> Optional[str]:
     return None
 
 
+def _discover_once(path, dp: Group, mp: Group, opts: _Options) -> tuple:
+    """(collective over both groups) (layout or None, the error that stood in its way).
+
+    One rank (rank 0 of both groups) reads the headers; it sends the frozen description
+    down the data-parallel group of model part 0, then along each model-parallel group.
+    Every other rank checks, by name, size and modification time only, that it sees the
+    same files under its own path (no file opened), and discovers on its own only where it
+    does not (a missing mount: blind; other files: the agreement step says which ranks
+    differ). Header reads summed over the ranks are then the set's file count, whatever
+    the world size, where today they were that times the world size."""
+    coordinator = dp.rank == 0 and mp.rank == 0
+    layout, err, payload = None, None, None
+    if coordinator:
+        try:
+            layout = discover(path, trust_pickle=opts.trust_pickle)
+            payload = b"L" + to_wire(layout, path)
+        except Exception as e:  # reported collectively by the caller
+            err, payload = e, b"E"
+    for g in (dp, mp):
+        g.at(f"loading {path}: sending the layout")
+    if mp.rank == 0:
+        payload = dp.broadcast_bytes(payload)
+    payload = mp.broadcast_bytes(payload)
+    if coordinator:
+        return layout, err
+    if payload[:1] == b"L":
+        try:
+            return adopt(payload[1:], path, trust_pickle=opts.trust_pickle), None
+        except CheckpointLayoutError:
+            pass  # not what the coordinator sees (or not here): find out what this rank sees
+    try:
+        return discover(path, trust_pickle=opts.trust_pickle), None
+    except Exception as e:  # reported collectively by the caller
+        return None, e
+
+
 def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_from: Optional[Mapping],
             make_wants: Callable) -> tuple:
     """(collective over both groups) Discover, agree, plan, read, verify. Returns
@@ -618,18 +654,43 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     # may take each rank a different while on a slow file system.
     name = path.display_name if isinstance(path, CheckpointLayout) else path
     arrive(groups, opts.arrival_timeout, f"loading {name}")
-    # 1. Discover, then agree on what everyone sees and asks for.
+    # 1. Agree on the groups and options (a broken grid must not reach a collective it
+    # cannot finish), discover once per cluster, then agree on what everyone sees.
     layout, err = None, None
-    try:
-        layout = path if isinstance(path, CheckpointLayout) else discover(path, trust_pickle=opts.trust_pickle)
-    except Exception as e:  # reported collectively below
-        err = e
+    given = path
     if isinstance(path, CheckpointLayout):
-        path = path.display_name
-    if not dp.active and not mp.active and err is not None:
-        raise err
+        layout, path = path, path.display_name
+    elif not dp.active and not mp.active:
+        layout = discover(path, trust_pickle=opts.trust_pickle)
     asked = [opts.strategy, flat, opts.bucket_mb, opts.chunk_mb, opts.verify, opts.qkv, str(opts.dtype),
              mp.size, dp.size]
+    pre = {"rank": dp.global_rank, "mp_rank": mp.rank, "asked": asked, "problem": _problems(dp, mp)}
+    for g in groups:
+        g.at(f"loading {path}: agreeing on the options")
+    dp_pre = dp.all_gather_json(pre) if dp.active else [pre]
+    mp_pre = mp.all_gather_json(pre) if mp.active else [pre]
+    error = None
+    try:
+        for i in dp_pre + mp_pre:
+            if i["problem"]:
+                raise ValueError(f"rank {i['rank']}: {i['problem']}")
+        for infos, what in ((dp_pre, "data-parallel"), (mp_pre, "model-parallel")):
+            odd = [i for i in infos if i["asked"] != infos[0]["asked"]]
+            if odd:
+                raise ValueError(
+                    f"ranks of one {what} group called with different options: rank {infos[0]['rank']} "
+                    f"{infos[0]['asked']} vs rank {odd[0]['rank']} {odd[0]['asked']} (strategy, flat, bucket_mb, "
+                    "chunk_mb, verify, qkv, dtype, model-parallel size, data-parallel size); pass the same on every rank.")
+        if len({i["mp_rank"] for i in dp_pre}) > 1:
+            raise ValueError(
+                "the ranks of this data-parallel group hold different model-parallel parts "
+                f"({cap_list(sorted({(i['rank'], i['mp_rank']) for i in dp_pre}))}): process_group must join ranks that hold "
+                "the same part (Megatron's data-parallel group), model_parallel_group the parts of one replica.")
+    except Exception as e:
+        error = e
+    settle(groups, error, f"loading {path}: agreeing on the options")
+    if layout is None:
+        layout, err = _discover_once(given, dp, mp, opts)
     info = {
         "rank": dp.global_rank,
         "ok": layout is not None,
@@ -637,9 +698,6 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         "fp": layout.fingerprint() if layout is not None else None,
         "err": None if err is None else clip(f"{type(err).__name__}: {err}"),
         "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
-        "mp_rank": mp.rank,
-        "asked": asked,
-        "problem": _problems(dp, mp),
     }
     for g in groups:
         g.at(f"loading {path}: agreeing on the checkpoint")
@@ -647,21 +705,6 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     mp_infos = mp.all_gather_json(info) if mp.active else [info]
     strategy, reason, error = None, "", None
     try:
-        for i in dp_infos + mp_infos:
-            if i["problem"]:
-                raise ValueError(f"rank {i['rank']}: {i['problem']}")
-        for infos, what in ((dp_infos, "data-parallel"), (mp_infos, "model-parallel")):
-            odd = [i for i in infos if i["asked"] != infos[0]["asked"]]
-            if odd:
-                raise ValueError(
-                    f"ranks of one {what} group called with different options: rank {infos[0]['rank']} "
-                    f"{infos[0]['asked']} vs rank {odd[0]['rank']} {odd[0]['asked']} (strategy, flat, bucket_mb, "
-                    "chunk_mb, verify, qkv, dtype, model-parallel size, data-parallel size); pass the same on every rank.")
-        if len({i["mp_rank"] for i in dp_infos}) > 1:
-            raise ValueError(
-                "the ranks of this data-parallel group hold different model-parallel parts "
-                f"({cap_list(sorted({(i['rank'], i['mp_rank']) for i in dp_infos}))}): process_group must join ranks that hold "
-                "the same part (Megatron's data-parallel group), model_parallel_group the parts of one replica.")
         if err is not None and isinstance(err, (OneloadError, OSError)) and all(not i["ok"] for i in dp_infos):
             raise err
         strategy, reason = _choose(opts, dp_infos, layout, mp.size, dp.size, flat, dp)

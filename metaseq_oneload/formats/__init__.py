@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .._errors import CheckpointLayoutError, CheckpointNotFoundError
 from .._layout import CheckpointLayout
 from . import dcp, huggingface, metaseq, plain
 
-__all__ = ["Format", "FORMATS", "discover", "format_of"]
+__all__ = ["Format", "FORMATS", "discover", "format_of", "to_wire", "adopt"]
 
 
 @dataclass(frozen=True)
@@ -74,16 +76,66 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
     return _as_given(format_of(path).describe(path, trust_pickle=trust_pickle), path)
 
 
+def _given_folder(path: str) -> str:
+    given = path if os.path.isdir(path) and not glob.has_magic(path) else os.path.dirname(path)
+    return os.path.abspath(given or ".")
+
+
 def _as_given(layout: CheckpointLayout, path: str) -> CheckpointLayout:
     """The layout with its paths under the folder the user named, where that folder is a
     link to the real one (checkpoints often live behind links to shared storage): what
     ``inspect`` shows and what errors name is then what the user typed. The describers
     resolve links to group files; that stays, only the spelling changes."""
-    given = path if os.path.isdir(path) and not glob.has_magic(path) else os.path.dirname(path)
-    given = os.path.abspath(given or ".")
-    real = layout.directory
-    if given == real or os.path.realpath(given) != os.path.realpath(real):
+    given = _given_folder(path)
+    if given == layout.directory or os.path.realpath(given) != os.path.realpath(layout.directory):
         return layout
+    return _relocated(layout, given)
+
+
+def to_wire(layout: CheckpointLayout, path: str) -> bytes:
+    """(coordinator) What one rank sends the others instead of letting each discover: the
+    layout (no header, no file digest) and where it lies relative to the path it was given."""
+    from . import _index
+
+    d = _index.to_json(layout, identities=False)
+    d["where"] = {"directory": layout.directory, "given": _given_folder(os.fspath(path)), "index": layout.index}
+    return json.dumps(d, separators=(",", ":")).encode()
+
+
+def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = False) -> CheckpointLayout:
+    """(local) The layout another rank discovered, as this rank sees the files: its folder
+    found from this rank's own ``path`` the way the sender's was from its path, every file
+    there with the sender's size and modification time. Reads no file.
+
+    Raises:
+        CheckpointNotFoundError: the files are not visible here.
+        CheckpointLayoutError: they are, but differ from the sender's (then discover here).
+    """
+    from . import _index
+
+    d = json.loads(payload)
+    where = d["where"]
+    folder = os.path.normpath(os.path.join(_given_folder(os.fspath(path)),
+                                           os.path.relpath(where["directory"], where["given"])))
+    layout = _index.from_json(d, folder, trust_pickle=trust_pickle, index=False)
+    if where["index"]:
+        layout = dataclasses.replace(layout, index=os.path.join(folder, os.path.basename(where["index"])))
+    for row, rows in zip(layout.files, d["files"]):
+        for f, sent in zip(row, rows):
+            try:
+                st = os.stat(f.path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"{f.path}: not here (the coordinating rank has it).") from None
+            except OSError as e:
+                raise CheckpointLayoutError(f"{f.path}: cannot read it here ({e.strerror or e}).") from None
+            if (st.st_size, st.st_mtime_ns) != (sent["size"], sent["mtime_ns"]):
+                raise CheckpointLayoutError(f"{f.path}: not the file the coordinating rank sees (size or time differ).")
+    return layout
+
+
+def _relocated(layout: CheckpointLayout, given: str) -> CheckpointLayout:
+    """The same layout, every path under ``given`` instead of ``layout.directory``."""
+    real = layout.directory
 
     def moved(p: str) -> str:
         return os.path.join(given, os.path.relpath(p, real)) if p.startswith(real + os.sep) else p

@@ -69,11 +69,19 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> dict:
-    """(local) The index of a layout whose files are all ``torch.save`` zip archives."""
+def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identities: bool = True) -> dict:
+    """(local) The index of a layout; ``identities`` (what an index file records, for
+    ``torch.save`` zip archives) costs one read of each file's directory and pickle bytes,
+    and is left out of what ranks send each other (they compare size and mtime instead)."""
     base = layout.directory
     rel = lambda p: os.path.relpath(p, base)  # noqa: E731  (a folder copied elsewhere keeps its index)
     model_args = {k: v for k, v in layout.model_args().items() if _jsonable(v)}
+
+    def about(f: CheckpointFile) -> dict:
+        if identities:
+            return file_identity(f.path)
+        return {"size": f.size, "mtime_ns": os.stat(f.path).st_mtime_ns}
+
     return {
         "format": "metaseq-oneload index",
         "version": VERSION,
@@ -86,8 +94,8 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> dict:
         "metadata_key": layout.metadata_key,
         "cfg": {k: getattr(layout.cfg, k) for k in CheckpointSettings.__dataclass_fields__},
         "model_args": model_args,
-        "files": [[{"name": rel(f.path), "format": f.format, **file_identity(f.path)} for f in row]
-                  for row in layout.files],
+        "files": [[{"name": rel(f.path), "format": f.format, **about(f)} for f in row] for row in layout.files],
+        "aliases": list(layout.aliases),
         "parts": [{
             "index": p.index,
             "buffer_names": list(p.buffer_names),
@@ -105,8 +113,9 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> dict:
     }
 
 
-def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False) -> CheckpointLayout:
-    """The layout an index describes, its paths under ``directory``."""
+def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False, index: bool = True) -> CheckpointLayout:
+    """The layout an index describes, its paths under ``directory`` (``index``: it was read
+    from an index file there)."""
     at = lambda name: os.path.join(directory, name)  # noqa: E731
     n = d["name"]
     parts = []
@@ -131,14 +140,14 @@ def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False) -> Chec
         parts=tuple(parts),
         cfg=CheckpointSettings(**d["cfg"]),
         metadata_key=d["metadata_key"],
-        aliases=(),
+        aliases=tuple(d.get("aliases", ())),
         num_updates=d["num_updates"],
         flavor=d["flavor"],
         warnings=tuple(d["warnings"]),
         stale_metadata=tuple(d["stale_metadata"]),
         trust_pickle=trust_pickle,
         config=d["model_args"],
-        index=index_path(directory, d["prefix"]),
+        index=index_path(directory, d["prefix"]) if index else None,
     )
 
 

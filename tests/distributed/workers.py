@@ -261,3 +261,52 @@ def absurd_set_error(rank: int, world: int, folder: str) -> dict:
     except mo.OneloadError as e:
         return {"type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - t0}
     raise AssertionError(f"rank {rank}: the load did not fail")
+
+
+def count_discovery(rank: int, world: int, paths) -> dict:
+    """Load each path collectively; per load, how many files this rank unpickled and how
+    many index identities it checked, and whether the layout it worked from equals what it
+    discovers on its own."""
+    from metaseq_oneload import _loading, _reading
+    from metaseq_oneload.formats import _index
+
+    counts = {"unpickled": 0, "identities": 0}
+    real_load, real_id = _reading._torch_load, _index.file_identity
+
+    def load(p, **kw):
+        counts["unpickled"] += 1
+        return real_load(p, **kw)
+
+    def ident(p):
+        counts["identities"] += 1
+        return real_id(p)
+
+    _reading._torch_load, _index.file_identity = load, ident
+    seen = []
+    real_once = _loading._discover_once
+
+    def once(*a, **kw):
+        out = real_once(*a, **kw)
+        seen.append(out[0])
+        return out
+
+    _loading._discover_once = once
+    out = []
+    try:
+        for p in paths:
+            _reading._cached_header.cache_clear()
+            _reading._zip_index.cache_clear()
+            counts.update(unpickled=0, identities=0)
+            sd = mo.load_state_dict(p, process_group=dist.group.WORLD)
+            row = dict(counts)
+            _reading._torch_load, _index.file_identity = real_load, real_id
+            local = mo.inspect(p)
+            _reading._torch_load, _index.file_identity = load, ident
+            row["same_layout"] = seen[-1] == local and seen[-1].fingerprint() == local.fingerprint()
+            row["paths_here"] = all(f.path.startswith(local.directory) for f in seen[-1].all_files)
+            row["tensors"] = len(sd)
+            out.append(row)
+    finally:
+        _reading._torch_load, _index.file_identity = real_load, real_id
+        _loading._discover_once = real_once
+    return out
