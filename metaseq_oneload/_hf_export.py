@@ -277,7 +277,9 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
 
     # Layer norms. metaseq (main) is always pre-LN with a final layer norm; fairseq says
     # decoder_normalize_before and no_decoder_final_norm.
-    default_pre = layout.flavor == "metaseq"
+    # Where the setting is absent (old-style args), the tensors tell: fairseq and metaseq
+    # keep a final layer norm exactly when the layers are pre-LN.
+    default_pre = layout.flavor == "metaseq" or "model.decoder.final_layer_norm.weight" in by_name
     pre_ln = bool(_arg(args, "decoder_normalize_before", default_pre))
     affine = not _arg(args, "disable_affine_ln", False)
     if affine:

@@ -77,14 +77,7 @@ def _split_qkv_name(name: str) -> Optional[tuple]:
     return None
 
 
-def place(name: str, shape: Sequence[int], part: int, nparts: int,
-          rules: Optional[Mapping[str, str]] = None, fuse_split_qkv: bool = True) -> Optional[Placement]:
-    """The placement of part ``part`` of ``nparts`` of tensor ``name``, or None for a
-    tensor without a known model-parallel rule (it can only be loaded at the same size).
-
-    ``fuse_split_qkv=False`` leaves split ``k_proj``/``v_proj``/``q_proj`` as they are:
-    their rows need not match (grouped-query attention), which fusing assumes."""
-    shape = tuple(int(s) for s in shape)
+def _rule_of(name: str, rules: Optional[Mapping[str, str]], fuse_split_qkv: bool) -> Optional[str]:
     rule = None
     for suffix, r in (rules or {}).items():
         if name.endswith(suffix):
@@ -100,6 +93,43 @@ def place(name: str, shape: Sequence[int], part: int, nparts: int,
             rule = "row"
         elif any(h in name for h in _REPLICATED_HINTS):
             rule = "replicated"
+    return rule
+
+
+def split_length(name: str, shape: Sequence[int], rules: Optional[Mapping[str, str]] = None,
+                 fuse_split_qkv: bool = True) -> Optional[int]:
+    """How much of its split dimension one part's tensor holds (rows per projection for a
+    fused qkv), or None when it is not split."""
+    rule = _rule_of(name, rules, fuse_split_qkv)
+    if rule == "qkv":
+        return int(shape[0]) // 3
+    if rule in ("qkv_split", "column"):
+        return int(shape[0])
+    if rule == "row" and len(shape) == 2:
+        return int(shape[1])
+    return None
+
+
+def place(name: str, shape: Sequence[int], part: int, nparts: int,
+          rules: Optional[Mapping[str, str]] = None, fuse_split_qkv: bool = True,
+          lengths: Optional[Sequence[int]] = None) -> Optional[Placement]:
+    """The placement of part ``part`` of ``nparts`` of tensor ``name``, or None for a
+    tensor without a known model-parallel rule (it can only be loaded at the same size).
+
+    ``fuse_split_qkv=False`` leaves split ``k_proj``/``v_proj``/``q_proj`` as they are:
+    their rows need not match (grouped-query attention), which fusing assumes.
+    ``lengths``: every part's :func:`split_length`, where the parts are not all alike
+    (``torch.chunk`` of a size the part count does not divide, as metaseq's
+    ``reshard_mp.py`` writes it); by default every part holds as much as this one."""
+    shape = tuple(int(s) for s in shape)
+    own = split_length(name, shape, rules, fuse_split_qkv)
+    if lengths is not None and own is not None and list(lengths) != [own] * nparts:
+        if lengths[part] != own:
+            raise CheckpointLayoutError(f"{name}: part {part} holds {own} along its split dimension, not {lengths[part]}.")
+        start, total = sum(lengths[:part]), sum(lengths)
+    else:
+        start, total = (None, None)
+    rule = _rule_of(name, rules, fuse_split_qkv)
     if rule is None:
         if nparts == 1:
             return Placement(name, None, (), shape)
@@ -111,22 +141,24 @@ def place(name: str, shape: Sequence[int], part: int, nparts: int,
         if n % 3:
             raise CheckpointLayoutError(f"{name}: fused qkv_proj has {n} rows, not a multiple of 3 (k, v, q).")
         per = n // 3
-        e = per * nparts
-        segs = tuple((j * per, j * e + part * per, per) for j in range(3))
+        e, at = (per * nparts, part * per) if total is None else (total, start)
+        segs = tuple((j * per, j * e + at, per) for j in range(3))
         return Placement(name, 0, segs, (3 * e,) + shape[1:])
     if rule == "qkv_split":
         canonical, j = _split_qkv_name(name)
         n = shape[0]
-        e = n * nparts
-        return Placement(canonical, 0, ((0, j * e + part * n, n),), (3 * e,) + shape[1:])
+        e, at = (n * nparts, part * n) if total is None else (total, start)
+        return Placement(canonical, 0, ((0, j * e + at, n),), (3 * e,) + shape[1:])
     if rule == "column":
         n = shape[0]
-        return Placement(name, 0, ((0, part * n, n),), (n * nparts,) + shape[1:])
+        e, at = (n * nparts, part * n) if total is None else (total, start)
+        return Placement(name, 0, ((0, at, n),), (e,) + shape[1:])
     if rule == "row":
         if len(shape) != 2:
             raise CheckpointLayoutError(f"{name}: a row-parallel rule needs a 2-D weight, found shape {shape}.")
         m = shape[1]
-        return Placement(name, 1, ((0, part * m, m),), (shape[0], m * nparts))
+        e, at = (m * nparts, part * m) if total is None else (total, start)
+        return Placement(name, 1, ((0, at, m),), (shape[0], e))
     raise ValueError(f"unknown model-parallel rule {rule!r} for {name} (use qkv, column, row or replicated)")
 
 
@@ -285,9 +317,16 @@ def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]
     table: dict = {}
     unknown: dict = {}
     m = layout.model_parallel_size
+    lengths: dict = {}
+    if m > 1:
+        for part in layout.parts:
+            for t in part.tensors.values():
+                lengths.setdefault(t.name, []).append(split_length(t.name, t.shape, rules, fuse_split_qkv))
     for part in layout.parts:
         for t in part.tensors.values():
-            p = place(t.name, t.shape, part.index, m, rules, fuse_split_qkv)
+            ls = lengths.get(t.name)
+            p = place(t.name, t.shape, part.index, m, rules, fuse_split_qkv,
+                      lengths=ls if ls and len(ls) == m and None not in ls else None)
             if p is None:
                 unknown.setdefault(t.name, []).append(t)
                 continue

@@ -40,6 +40,13 @@ class Entry:
     expect: dict
     weights: str
     notes: str
+    refuse: str = ""
+
+    @property
+    def refused(self) -> bool:
+        """A file a real writer makes that is not a checkpoint of any layout (e.g. metaseq's
+        FasterTransformer export): the package must refuse it, clearly."""
+        return bool(self.refuse)
 
     @property
     def folder(self) -> Path:
@@ -71,7 +78,7 @@ def entries(family: Optional[str] = None) -> list:
             continue
         for e in json.loads(manifest.read_text()):
             out.append(Entry(fam, e["set"], e.get("entry", ""), e.get("writer", ""), e.get("source", ""),
-                             e["expect"], e.get("weights", "exact"), e.get("notes", "")))
+                             e["expect"], e.get("weights", "exact"), e.get("notes", ""), e.get("refuse") or ""))
     return out
 
 
@@ -79,8 +86,26 @@ def by_id(ident: str) -> Entry:
     return next(e for e in entries() if e.id == ident)
 
 
+def _needed_globals() -> list:
+    """What the corpus pickles need beyond torch's allowlist (its manifests' ``load_needs``):
+    Namespaces, and the omegaconf containers metaseq's convert_to_singleton writes."""
+    import collections
+    import typing
+
+    out = [argparse.Namespace, collections.defaultdict, typing.Any, int, dict, list]
+    try:
+        from omegaconf import DictConfig, ListConfig
+        from omegaconf.base import ContainerMetadata, Metadata
+        from omegaconf.nodes import AnyNode
+
+        out += [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode]
+    except ImportError:
+        pass
+    return out
+
+
 def raw(path) -> dict:
-    with torch.serialization.safe_globals([argparse.Namespace]):
+    with torch.serialization.safe_globals(_needed_globals()):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -562,9 +562,10 @@ def _stale_metadata_note(f: CheckpointFile, key: str, md: Mapping, model: Mappin
     note = (f"{os.path.basename(f.path)}: holds unflattened weights but keeps the {key} of the FSDP run it "
             "came from (as metaseq's reshard_fsdp --unflatten-weights writes it); the tensors are used and "
             "the metadata is ignored")
-    if disagree or absent:
-        note += (f"; it does not describe them: {len(disagree)} shape(s) differ ({_cap(disagree, 3)}), "
-                 f"{len(absent)} listed tensor(s) absent ({_cap(absent, 3)})")
+    said = ([f"{len(disagree)} shape(s) differ ({_cap(disagree, 3)})"] if disagree else []) + (
+        [f"{len(absent)} listed tensor(s) absent ({_cap(absent, 3)})"] if absent else [])
+    if said:
+        note += "; it does not describe them: " + ", ".join(said)
     return note + "."
 
 def _check_flat(fp: FlatParam, files: Sequence[CheckpointFile]) -> None:

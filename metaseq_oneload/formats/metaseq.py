@@ -60,7 +60,8 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
     parts, metadata_key, stale = _torchsave.build_parts(ts)
     settings = _settings(ts.first)
     name = ts.name
-    if name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files):
+    if (name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files)
+            and not _complete(parts, _get(first_cfg_model(ts.first), "decoder_ffn_embed_dim"))):
         missing = cap_list(range(len(files), settings.model_parallel_size),
                            fmt=lambda m: name.format(part=m, shard=0 if name.shard is not None else None))
         raise CheckpointLayoutError(
@@ -117,6 +118,24 @@ def _settings(header: Any) -> CheckpointSettings:
         ddp_backend=None if ddp is None else str(ddp),
         distributed_world_size=as_int(_cfg_value(header, "distributed_training", "distributed_world_size")),
     )
+
+def first_cfg_model(header: Any) -> Any:
+    """``cfg.model`` (a Namespace or dict), or old fairseq's ``args``."""
+    if not isinstance(header, Mapping):
+        return None
+    return _get(header.get("cfg"), "model") or header.get("args")
+
+
+def _complete(parts: Sequence, ffn: Any) -> bool:
+    """Whether the parts on disk already hold the whole model, by their tensors: their
+    column-parallel ``fc1`` rows add up to the model's ffn width. Then a cfg that claims
+    more parts is stale (``reshard_mp.py`` updates ``cfg.model`` but not ``cfg.common``),
+    not evidence of missing files."""
+    if not isinstance(ffn, int) or ffn <= 0:
+        return False
+    rows = [sum(t.shape[0] for n, t in p.tensors.items() if n.endswith(".layers.0.fc1.weight")) for p in parts]
+    return bool(rows) and sum(rows) == ffn
+
 
 def _run_id(header: Any) -> tuple:
     """What every file of one save shares: the update count and training position."""
