@@ -72,7 +72,11 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
     stale_cfg = _cfg_warnings(files, settings, bool(parts[0].flat_params), name)
     first = ts.first
     cfg = first.get("cfg") if isinstance(first.get("cfg"), Mapping) else None
-    if (cfg is not None and "reshard" in cfg) or any(".qkv_proj." in n for n in parts[0].tensors):
+    # metaseq's config has a "reshard" section fairseq's lacks; flattened into old-style
+    # args it leaves its keys there.
+    args = first.get("args")
+    if ((cfg is not None and "reshard" in cfg) or any(".qkv_proj." in n for n in parts[0].tensors)
+            or (args is not None and _get(args, "target_world_size") is not None and _get(args, "do_pad") is not None)):
         flavor = "metaseq"
     elif first.get("cfg") is not None or first.get("args") is not None:
         flavor = "fairseq"

@@ -11,7 +11,7 @@ from tests.corpus import entries
 from tests.distributed.harness import run_ranks
 from tests.distributed.workers import load_corpus
 
-ALL = entries()
+ALL = [e for e in entries() if not e.refused]
 # Model parallel 2 where the model has a Megatron form: metaseq's model, and fairseq's
 # Megatron sets (fairseq's plain transformer_lm has no model-parallel twin to load into).
 MP2 = [e.id for e in ALL if e.family == "metaseq" or e.mp > 1]
