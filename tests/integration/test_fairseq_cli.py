@@ -11,7 +11,7 @@ the committed fairseq corpus, on 1, 2 and 3 gloo ranks:
   training saved unsharded (``fsdp_full``, bit-equal weights), and differ with
   ``--reset-optimizer``.
 
-Needs real fairseq (see tests/fixtures/fairseq/README.md); skips otherwise. About 4 minutes
+Needs real fairseq (see docs/fairseq/README.md); skips otherwise. 3-5 minutes
 on 2 cores. Run here with::
 
     cd /work/main && /tmp/fsvenv/bin/python -m pytest -q tests/integration/test_fairseq_cli.py
