@@ -49,9 +49,13 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
         groups: dict = {}
         for p, r in run_ids.items():
             groups.setdefault(r, []).append(os.path.basename(p))
+        # The update count and position always; the save identity and world size where
+        # they are what tells the groups apart.
+        differs = [len({r[i] for r in groups}) > 1 for i in range(len(next(iter(groups))))]
         desc = "; ".join(
             f"num_updates={r[0]}, epoch={r[1]}, iterations_in_epoch={r[2]}"
-            + (f", save {r[3]}" if r[3] else "") + f": {cap_list(v)}"
+            + (f", save {r[3]}" if differs[3] else "") + (f", world size {r[4]}" if differs[4] else "")
+            + f": {cap_list(v)}"
             for r, v in list(groups.items())[:5])
         raise CheckpointLayoutError(
             f"{ts.label}: files of different saves are mixed in one set ({desc}). "
@@ -153,7 +157,8 @@ def _run_id(header: Any) -> tuple:
     # The identity this package's own writers (convert, consolidate) put in every file of
     # one output set tells two sets apart even at the same step.
     save_id = _get(header.get("oneload_save"), "save_id")
-    return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"), save_id)
+    world = _cfg_value(header, "distributed_training", "distributed_world_size")
+    return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"), save_id, world)
 
 def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, flat: bool,
                   name: FileName) -> list:

@@ -18,7 +18,7 @@ import torch
 
 import metaseq_oneload as mo
 from metaseq_oneload import CheckpointLayoutError, CheckpointNotFoundError
-from tests.conftest import copy_set, needs_fixtures, raw_load
+from tests.conftest import FIXTURES, copy_set, needs_fixtures, raw_load
 
 pytestmark = needs_fixtures
 
@@ -74,13 +74,21 @@ def test_a_million_shards_claimed_gives_a_short_fast_message(tmp_path):
 
 def test_a_million_parts_in_cfg_gives_a_short_message(tmp_path):
     d = copy_set("mp2_ddp", tmp_path)
-    for m in (0, 1):
-        resave(d / f"checkpoint_2-model_part-{m}.pt", lambda o: o["cfg"]["common"].update(model_parallel_size=10**6))
+    os.remove(d / "checkpoint_2-model_part-1.pt")  # part 0 alone: its tensors are half the model
+    resave(d / "checkpoint_2-model_part-0.pt", lambda o: o["cfg"]["common"].update(model_parallel_size=10**6))
     t0 = time.perf_counter()
     with pytest.raises(CheckpointLayoutError, match=r"common\.model_parallel_size=1000000 \(missing "
-                                                     r".*model_part-2\.pt.* \.\.\. and 999993 more\)") as err:
-        mo.inspect(d)
+                                                     r".*model_part-1\.pt.* \.\.\. and 999994 more\)") as err:
+        mo.inspect(d / "checkpoint_2-model_part-0.pt")
     assert time.perf_counter() - t0 < 2.0 and len(str(err.value)) < 1500
+
+
+def test_a_cfg_claiming_parts_the_tensors_show_complete_is_stale(tmp_path):
+    d = copy_set("mp2_ddp", tmp_path)
+    for m in (0, 1):
+        resave(d / f"checkpoint_2-model_part-{m}.pt", lambda o: o["cfg"]["common"].update(model_parallel_size=4))
+    layout = mo.inspect(d)  # fc1's rows over both parts are the model's ffn width: nothing is missing
+    assert layout.model_parallel_size == 2 and "cfg.common.model_parallel_size" in layout.stale_metadata
 
 
 def test_folder_of_broken_links_says_so_from_every_entry_point(tmp_path):
@@ -114,3 +122,30 @@ def test_paths_are_shown_as_given_through_a_linked_folder(tmp_path):
     sd = mo.load_state_dict(link / "checkpoint_last-model_part-0-shard1.pt", verify=True)
     ref = mo.load_state_dict(real)
     assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_sets_of_two_saves_at_the_same_step_are_told_apart(tmp_path):
+    """Two converts of one source: same step, same names, same sizes; only the save
+    identity our writer puts in every file tells them apart (issue 10, item 10)."""
+    for name in ("a", "b"):
+        mo.convert(FIXTURES / "fsdp_dp3", tmp_path / name / "ck", shards=2, progress=False)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "a" / "ck-model_part-0-shard0.pt", mixed)
+    shutil.copy(tmp_path / "b" / "ck-model_part-0-shard1.pt", mixed)
+    ids = [raw_load(mixed / f"ck-model_part-0-shard{d}.pt")["oneload_save"]["save_id"] for d in (0, 1)]
+    assert ids[0] != ids[1]
+    before = snapshot(mixed)
+    with pytest.raises(CheckpointLayoutError, match=rf"files of different saves are mixed in one set \(num_updates=2, "
+                                                     rf".*save {ids[0]}.*ck-model_part-0-shard0\.pt; .*save {ids[1]}"):
+        mo.inspect(mixed)
+    assert snapshot(mixed) == before
+
+
+def test_shards_of_runs_with_other_world_sizes_are_told_apart(tmp_path):
+    d = copy_set("fsdp_dp3", tmp_path)
+    resave(d / "checkpoint_2-model_part-0-shard2.pt",
+           lambda o: o["cfg"]["distributed_training"].update(distributed_world_size=6))
+    with pytest.raises(CheckpointLayoutError, match=r"files of different saves are mixed .*world size 3: .*"
+                                                     r"world size 6: checkpoint_2-model_part-0-shard2\.pt"):
+        mo.inspect(d)
