@@ -36,6 +36,7 @@ What :func:`patch` replaces, and why:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
@@ -159,11 +160,19 @@ def _read_rest(path: str, *, skip_optimizer: bool) -> dict:
 
 def _finish_state(state: dict, arg_overrides: Optional[Mapping]) -> dict:
     """metaseq's tail of load_checkpoint_to_cpu: cfg as a struct DictConfig that may hold
-    argparse.Namespace values, the caller's overrides, the old-format upgrades."""
+    argparse.Namespace values (made from an old-style ``args`` where cfg is None), the
+    caller's overrides, the old-format upgrades."""
     from metaseq import checkpoint_utils
     from metaseq.dataclass.utils import overwrite_args_by_name, overwrite_keys_not_present
     from omegaconf import OmegaConf
 
+    if state.get("cfg") is None and isinstance(state.get("args"), argparse.Namespace):
+        # Older metaseq and fairseq saved their settings as one flat Namespace in "args";
+        # metaseq f7ffa5f dropped the conversion fairseq still does here, and then refuses
+        # the file for its missing cfg.
+        from metaseq.dataclass.utils import convert_namespace_to_omegaconf
+
+        state["cfg"] = convert_namespace_to_omegaconf(state["args"])
     if state.get("cfg") is not None:
         # allow_objects is OmegaConf's own switch (2.1 and later) for what metaseq does by
         # swapping out omegaconf._utils.is_primitive_type, which omegaconf 2.2 renamed.
