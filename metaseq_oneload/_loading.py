@@ -897,6 +897,43 @@ def _groups(process_group, model_parallel_group) -> tuple:
     return Group(process_group, "data-parallel"), Group(model_parallel_group, "model-parallel")
 
 
+def state_dict_wants(targets: Mapping[str, TargetTensor], structure: Optional[FlatStructure], flat: bool,
+                     dp_rank: int, dp_size: int, device: "str | torch.device") -> tuple:
+    """(local) What :func:`load_state_dict` fills on one rank: (the wants, the state dict
+    they land in). :func:`~metaseq_oneload._loadplan.plan_load` calls it on the ``meta``
+    device, so a plan states exactly the load's pieces."""
+    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    wants = []
+    if not flat:
+        for name, t in targets.items():
+            if t.alias_of is None:
+                out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                wants.append(Want(name, 0, out[name].view(-1)))
+        for name, t in targets.items():
+            if t.alias_of is not None:
+                out[name] = out[t.alias_of]  # tied: one tensor under both names
+        return wants, out
+    covered = set()
+    for g in structure.groups:
+        dtypes = {targets[n].dtype for n in g.names}
+        if len(dtypes) > 1:
+            raise StateDictMismatchError(f"{g.key}: members have mixed dtypes {sorted(map(str, dtypes))}.")
+        pieces, size = g.shard_pieces(dp_rank, dp_size)
+        local = torch.empty(size, dtype=dtypes.pop() if dtypes else torch.float32, device=device)
+        filled = pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
+        local[filled:].zero_()  # fairscale pads the tail with zeros
+        out[g.key] = local
+        for n, start, stop, offset in pieces:
+            wants.append(Want(n, start, local[offset: offset + stop - start]))
+        covered.update(g.names)
+    for name, t in targets.items():
+        if name in covered or t.alias_of is not None:
+            continue
+        out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        wants.append(Want(name, 0, out[name].view(-1)))
+    return wants, out
+
+
 def load_checkpoint(
     path: "str | os.PathLike",
     *,
@@ -926,35 +963,10 @@ def load_checkpoint(
     meta: dict = {}
 
     def make_wants(targets, structure, layout):
-        wants = []
-        if not flat:
-            for name, t in targets.items():
-                if t.alias_of is None:
-                    out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    wants.append(Want(name, 0, out[name].view(-1)))
-            for name, t in targets.items():
-                if t.alias_of is not None:
-                    out[name] = out[t.alias_of]  # tied: one tensor under both names
-            return wants
-        covered = set()
-        for g in structure.groups:
-            dtypes = {targets[n].dtype for n in g.names}
-            if len(dtypes) > 1:
-                raise StateDictMismatchError(f"{g.key}: members have mixed dtypes {sorted(map(str, dtypes))}.")
-            pieces, size = g.shard_pieces(dp.rank, dp.size)
-            local = torch.empty(size, dtype=dtypes.pop() if dtypes else torch.float32, device=device)
-            filled = pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
-            local[filled:].zero_()  # fairscale pads the tail with zeros
-            out[g.key] = local
-            for n, start, stop, offset in pieces:
-                wants.append(Want(n, start, local[offset: offset + stop - start]))
-            covered.update(g.names)
-        for name, t in targets.items():
-            if name in covered or t.alias_of is not None:
-                continue
-            out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            wants.append(Want(name, 0, out[name].view(-1)))
-        meta.update(structure.shard_metadata(dp.rank, dp.size))
+        wants, filled = state_dict_wants(targets, structure, flat, dp.rank, dp.size, device)
+        out.update(filled)
+        if flat:
+            meta.update(structure.shard_metadata(dp.rank, dp.size))
         return wants
 
     layout, _, _, report = _engine(path, dp, mp, opts, flat, shard_metadata, make_wants)

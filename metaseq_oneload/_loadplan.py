@@ -20,7 +20,7 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._loading import Want, _choose, _fill, _Options, _resolve_aliases, _schedule
+from ._loading import Want, _choose, _fill, _Options, _resolve_aliases, _schedule, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
 
@@ -108,26 +108,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _wants(targets, structure: Optional[FlatStructure], flat: bool, dp_rank: int, dp_size: int,
            dtype: Optional[torch.dtype]) -> list:
-    """This rank's wants, as load_checkpoint's make_wants builds them, on the meta device."""
-    wants = []
-
-    def empty(n, dt):
-        return torch.empty(n, dtype=dt, device="meta")
-
-    if not flat:
-        return [Want(n, 0, empty(t.numel, t.dtype)) for n, t in targets.items() if t.alias_of is None]
-    covered = set()
-    for g in structure.groups:
-        dtypes = {targets[n].dtype for n in g.names}
-        pieces, size = g.shard_pieces(dp_rank, dp_size)
-        local = empty(size, dtypes.pop() if dtypes else torch.float32)
-        for n, start, stop, offset in pieces:
-            wants.append(Want(n, start, local[offset: offset + stop - start]))
-        covered.update(g.names)
-    for n, t in targets.items():
-        if n not in covered and t.alias_of is None:
-            wants.append(Want(n, 0, empty(t.numel, t.dtype)))
-    return wants
+    """This rank's wants, built by the load's own code, on the meta device."""
+    return state_dict_wants(targets, structure, flat, dp_rank, dp_size, "meta")[0]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
