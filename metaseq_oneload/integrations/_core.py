@@ -645,12 +645,14 @@ def _exists(path: str) -> bool:
     return True
 
 
-def fill_from_checkpoint(cfg: Any, *, requires: Optional[Mapping[str, Tuple[Any, str]]] = None
-                         ) -> List[Tuple[str, Any, Any]]:
+def fill_from_checkpoint(cfg: Any, *, requires: Optional[Mapping[str, Tuple[Any, str]]] = None,
+                         world_size: Optional[int] = None) -> List[Tuple[str, Any, Any]]:
     """(every rank, local) Fill a metaseq config's loading settings from the checkpoint it
     will load (see :func:`metaseq_oneload.fill_settings`), with the installed options: a
     no-op with ``fill_cfg=False``, or when there is no checkpoint yet (a first launch).
-    ``requires``: what the run's model needs, setting name -> (value, why).
+    ``requires``: what the run's model needs, setting name -> (value, why). ``world_size``:
+    the ranks the run will have, where known; a model-parallel size of the files that it
+    cannot run is not taken where the run gives none (it keeps 1; the engine loads onto it).
 
     Returns:
         The changes, as (dotted key, old, new).
@@ -671,6 +673,18 @@ def fill_from_checkpoint(cfg: Any, *, requires: Optional[Mapping[str, Tuple[Any,
             raise
         return []
     kept: list = []
+    requires = dict(requires or {})
+    saved_mp = layout.model_parallel_size
+    common = cfg.get("common") if isinstance(cfg, Mapping) else getattr(cfg, "common", None)
+    run_mp = common.get("model_parallel_size") if isinstance(common, Mapping) else getattr(common, "model_parallel_size", None)
+    given = run_mp != 1 or bool({"common.model_parallel_size", "--model-parallel-size"} & set(_STATE.explicit))
+    if world_size and saved_mp > 1 and world_size % saved_mp and run_mp is not None and not given:
+        # The files' size would be taken as the run's default; Megatron would then clamp a
+        # size above the world silently (the run saving a cfg that names a size it never
+        # had) or assert on one that does not divide it.
+        requires.setdefault("model_parallel_size", (run_mp, f"{world_size} rank(s) cannot run model parallel {saved_mp}"))
+        logger.info("metaseq-oneload: common.model_parallel_size=%s kept: the files hold %d, which %d rank(s) "
+                    "cannot run; loaded onto %s", run_mp, saved_mp, world_size, run_mp)
     changes = fill_settings(cfg, layout, explicit=_STATE.explicit, strategy=oc.strategy, requires=requires,
                             kept=kept)
     needed = {name: why for name, (_, why) in (requires or {}).items()}

@@ -416,12 +416,28 @@ def _call_main(cfg, main, **kwargs):
     chose: the engine reshards onto them). A setting that cannot be loaded onto stops the
     process with its message, on every rank alike (each fills on its own): exit code 2."""
     try:
-        fill_from_checkpoint(cfg, requires=_model_requires(cfg))
+        fill_from_checkpoint(cfg, requires=_model_requires(cfg), world_size=_run_world_size(cfg))
     except CheckpointSettingsError as e:
         sys.stderr.write(f"metaseq-oneload: {e}\n")
         sys.stderr.flush()
         raise SystemExit(2) from None
     return _original("metaseq.distributed.utils.call_main")(cfg, main, **kwargs)
+
+
+def _run_world_size(cfg: Any) -> Optional[int]:
+    """(local) The ranks the run will have, as metaseq's ``infer_init_method`` finds them
+    after this point; None where Slurm decides (metaseq reads its environment later)."""
+    try:
+        dt = cfg.distributed_training
+        if dt.distributed_init_method is not None:
+            return int(dt.distributed_world_size)
+        if dt.distributed_port > 0:
+            return None
+        if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")):
+            return int(os.environ["WORLD_SIZE"])
+        return int(dt.distributed_world_size)  # one process, or metaseq's spawn over this node's devices
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _model_requires(cfg: Any) -> dict:
