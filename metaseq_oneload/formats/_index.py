@@ -113,6 +113,14 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identiti
     }
 
 
+def _digest(d: Mapping) -> str:
+    """Of what an index says about where bytes are: a damaged or hand-edited index whose
+    files still match is caught, not trusted."""
+    body = {k: d[k] for k in ("prefix", "name", "metadata_key", "parts")}
+    body["files"] = [[f["name"] for f in row] for row in d["files"]]
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False, index: bool = True) -> CheckpointLayout:
     """The layout an index describes, its paths under ``directory`` (``index``: it was read
     from an index file there)."""
@@ -155,8 +163,10 @@ def write(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> str:
     """(local) Write the index of a freshly written set beside it (temp name, then rename)."""
     path = index_path(layout.directory, layout.prefix)
     tmp = f"{path}.tmp-{os.getpid()}"
+    d = to_json(layout, save_id=save_id)
+    d["digest"] = _digest(d)
     with open(tmp, "w") as f:
-        json.dump(to_json(layout, save_id=save_id), f, separators=(",", ":"))
+        json.dump(d, f, separators=(",", ":"))
     os.replace(tmp, path)
     return path
 
@@ -172,6 +182,8 @@ def load(directory: str, prefix: str, grid: list, *, trust_pickle: bool = False)
             d = json.load(f)
         if d.get("format") != "metaseq-oneload index" or d.get("version") != VERSION:
             return None, f"{path}: not an index of this version; read the headers instead."
+        if d.get("digest") != _digest(d):
+            return None, f"{path}: its contents do not match its digest (edited or damaged); read the headers instead."
         names = [[os.path.join(directory, f["name"]) for f in row] for row in d["files"]]
         if [[os.path.realpath(p) for p in row] for row in names] != [[os.path.realpath(p) for p in row] for row in grid]:
             return None, f"{path}: lists other files than the folder holds; read the headers instead."

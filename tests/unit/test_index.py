@@ -71,3 +71,15 @@ def test_a_stale_index_is_ignored_and_said(tmp_path, monkeypatch):
     (tmp_path / "out" / "ck.oneload-index.json").write_text("{not json")
     layout = mo.inspect(tmp_path / "out")
     assert layout.index is None and any("unreadable" in w for w in layout.warnings)
+
+
+def test_an_edited_index_is_not_trusted(tmp_path):
+    mo.convert(FIXTURES / "fsdp_dp3", tmp_path / "out" / "ck", shards=2, progress=False)
+    index = tmp_path / "out" / "ck.oneload-index.json"
+    d = json.loads(index.read_text())
+    ext = d["parts"][0]["tensors"][0]["extents"][0]
+    ext[4] += 4  # a byte offset moved: the files still match, the index does not
+    index.write_text(json.dumps(d))
+    layout = mo.inspect(tmp_path / "out")
+    assert layout.index is None
+    assert any("do not match its digest" in w for w in layout.warnings), layout.warnings
