@@ -616,15 +616,20 @@ def _discover_once(path, dp: Group, mp: Group, opts: _Options) -> tuple:
     same files under its own path (no file opened), and discovers on its own only where it
     does not (a missing mount: blind; other files: the agreement step says which ranks
     differ). Header reads summed over the ranks are then the set's file count, whatever
-    the world size, where today they were that times the world size."""
+    the world size (not the file count times the world size)."""
     coordinator = dp.rank == 0 and mp.rank == 0
     layout, err, payload = None, None, None
     if coordinator:
         try:
             layout = discover(path, trust_pickle=opts.trust_pickle)
-            payload = b"L" + to_wire(layout, path)
         except Exception as e:  # reported collectively by the caller
-            err, payload = e, b"E"
+            err = e
+        payload = b"E"  # the others discover on their own
+        if layout is not None:
+            try:
+                payload = b"L" + to_wire(layout, path)
+            except Exception:  # noqa: BLE001  (a layout that does not travel: each rank reads it)
+                pass
     for g in (dp, mp):
         g.at(f"loading {path}: sending the layout")
     if mp.rank == 0:
@@ -635,8 +640,8 @@ def _discover_once(path, dp: Group, mp: Group, opts: _Options) -> tuple:
     if payload[:1] == b"L":
         try:
             return adopt(payload[1:], path, trust_pickle=opts.trust_pickle), None
-        except CheckpointLayoutError:
-            pass  # not what the coordinator sees (or not here): find out what this rank sees
+        except Exception:  # noqa: BLE001  not what the coordinator sees (or not here): see for itself
+            pass
     try:
         return discover(path, trust_pickle=opts.trust_pickle), None
     except Exception as e:  # reported collectively by the caller
