@@ -42,7 +42,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     root, names = sys.argv[1], sys.argv[2:]
     group = dist.group.WORLD
-    ref = oneload.load_state_dict(os.path.join(root, "singleton"))  # local, no collectives
+    ref = oneload.load_state_dict(os.path.join(root, "singleton"), no_dist=True)  # local, no collectives
     wrapping = oneload.inspect(os.path.join(root, "fsdp_1x3")).header()["shard_metadata"]
     rows = []
     for name in names:

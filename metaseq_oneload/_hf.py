@@ -586,7 +586,8 @@ def from_pretrained(
     # everything from rank 0 by broadcast.
     local = os.fspath(name_or_path)
     path = local if os.path.exists(local) or not _looks_like_repo_id(local) else source.path
-    report = load_into(model, path, process_group=group.group if group.active else None, strategy=strategy,
+    report = load_into(model, path, process_group=group.group if group.active else None, no_dist=not group.active,
+                       strategy=strategy,
                        strict=not lenient, device=target, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                        trust_pickle=trust_pickle, progress=progress)
     _restore(model, kept, buffers_on)

@@ -898,7 +898,26 @@ def _direct_capable(w: Want, targets: Mapping[str, TargetTensor], dp: Group) -> 
 # --------------------------------------------------------------------------- verbs
 
 
-def _groups(process_group, model_parallel_group) -> tuple:
+def _groups(process_group, model_parallel_group, no_dist: bool = False) -> tuple:
+    """(local) The groups a load runs over, by torch's convention (as
+    ``torch.distributed.checkpoint`` has it): ``process_group=None`` is the default group
+    when ``torch.distributed`` is initialized, so that a plain ``load_state_dict(path)``
+    under torchrun reads once instead of once per rank; ``no_dist=True`` loads in this
+    process alone."""
+    if no_dist:
+        if process_group is not None or model_parallel_group is not None:
+            raise ValueError("no_dist=True loads in this process alone: pass no process_group or "
+                             "model_parallel_group with it.")
+        return Group(None, "data-parallel"), Group(None, "model-parallel")
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        if model_parallel_group is None:
+            process_group = dist.group.WORLD
+        elif dist.get_world_size(model_parallel_group) != dist.get_world_size():
+            raise ValueError(
+                "process_group=None with a model_parallel_group of "
+                f"{dist.get_world_size(model_parallel_group)} of the {dist.get_world_size()} ranks: pass the "
+                "data-parallel group too (the ranks that hold the same model part), or no_dist=True to load in "
+                "this process alone.")
     return Group(process_group, "data-parallel"), Group(model_parallel_group, "model-parallel")
 
 
@@ -957,13 +976,14 @@ def load_checkpoint(
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int], None]" = None,
     arrival_timeout: Optional[float] = None,
+    no_dist: bool = False,
 ) -> LoadedCheckpoint:
     """(collective over the groups given) Like :func:`load_state_dict`, returning the
     state dict with its ``shard_metadata``, the layout and a :class:`LoadReport`."""
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                     trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress,
                     arrival_timeout=arrival_timeout)
-    dp, mp = _groups(process_group, model_parallel_group)
+    dp, mp = _groups(process_group, model_parallel_group, no_dist)
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     meta: dict = {}
 
@@ -998,13 +1018,15 @@ def load_state_dict(
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int], None]" = None,
     arrival_timeout: Optional[float] = None,
+    no_dist: bool = False,
 ) -> "OrderedDict[str, torch.Tensor]":
     """(collective over the groups given) This rank's part of any checkpoint's weights.
 
     Args:
         path: any file of the checkpoint, its folder, its un-suffixed name, or a glob.
-        process_group: the data-parallel group (size W). None: no collectives; with no
-            group at all the load runs locally in one process.
+        process_group: the data-parallel group (size W). None: torch's default group when
+            ``torch.distributed`` is initialized (then the load is collective over every
+            rank), else no collectives.
         model_parallel_group: the model-parallel group (size M'). None: M' = 1, every rank
             gets the whole model with all saved model-parallel parts merged.
         flat: False: the unflattened tensors of this rank's model-parallel part (identical on
@@ -1033,6 +1055,8 @@ def load_state_dict(
             comes (it failed earlier and went on) makes every rank that did raise
             :class:`DistributedLoadError` naming it, instead of waiting in a collective for
             the process group's timeout.
+        no_dist: load in this process alone, with no collectives, even where
+            ``torch.distributed`` is initialized (each process then reads what it needs itself).
 
     Returns:
         An ``OrderedDict`` of tensors (with ``.shard_metadata`` when ``flat=True``).
@@ -1051,7 +1075,7 @@ def load_state_dict(
     return load_checkpoint(path, process_group=process_group, model_parallel_group=model_parallel_group,
                            flat=flat, strategy=strategy, shard_metadata=shard_metadata, bucket_mb=bucket_mb,
                            chunk_mb=chunk_mb, verify=verify, dtype=dtype, device=device, qkv=qkv, rules=rules,
-                           trust_pickle=trust_pickle, progress=progress, arrival_timeout=arrival_timeout).model
+                           trust_pickle=trust_pickle, progress=progress, arrival_timeout=arrival_timeout, no_dist=no_dist).model
 
 
 # --------------------------------------------------------------------------- load_into
@@ -1121,6 +1145,7 @@ def load_into(
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int], None]" = None,
     arrival_timeout: Optional[float] = None,
+    no_dist: bool = False,
 ) -> LoadReport:
     """(collective over the groups given) Fill ``module``'s parameters and buffers in place.
 
@@ -1140,6 +1165,9 @@ def load_into(
     """
     entries = module.state_dict(keep_vars=True)
     mesh = next((t.device_mesh for t in entries.values() if _is_dtensor(t)), None)
+    if no_dist and mesh is not None:
+        raise ValueError(f"{type(module).__name__} holds DTensor parameters (FSDP2): its shards are loaded "
+                         "over their mesh's group, so no_dist=True cannot be used with it.")
     if process_group is None and mesh is not None:
         if mesh.ndim == 1:
             process_group = mesh.get_group()
@@ -1158,7 +1186,7 @@ def load_into(
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                     trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress,
                     arrival_timeout=arrival_timeout)
-    dp, mp = _groups(process_group, model_parallel_group)
+    dp, mp = _groups(process_group, model_parallel_group, no_dist)
     post: list = []
     unloaded: list = []
     materialize_on = torch.device(device) if device is not None else torch.device("cpu")

@@ -182,7 +182,7 @@ def setup_model(args, model_name, device):
     model = empty_model(T5ForConditionalGeneration, model_name, dtype=torch.float32)
     full = {}
     if dist.get_rank() == 0:
-        oneload.load_into(model, model_name, device=device)
+        oneload.load_into(model, model_name, device=device, no_dist=True)  # rank 0 alone
         full = model.state_dict()
     dtype = mixed_precision(args)
     model = FSDP(model,

@@ -448,10 +448,13 @@ def _engine_load(layout, *, process_group=None, model_parallel_group=None, flat=
     """(collective over the groups given) The engine's load with the installed options."""
     cfg = _STATE.config
     # The layout itself, not a path: it may be one part of a set (_part_layout).
+    # No groups: a script's own read of a file (each rank its part), never an implied
+    # collective over the default group.
     lc = load_checkpoint(layout, process_group=process_group,
                          model_parallel_group=model_parallel_group, flat=flat, shard_metadata=shard_metadata,
                          strategy=cfg.strategy if cfg.enabled else "auto", bucket_mb=cfg.bucket_mb,
-                         verify=cfg.verify, qkv=qkv)
+                         verify=cfg.verify, qkv=qkv,
+                         no_dist=process_group is None and model_parallel_group is None)
     # The engine has logged the one strategy line (on the first rank of the groups).
     for w in lc.report.warnings:
         logger.info("metaseq-oneload: %s", w)

@@ -31,3 +31,14 @@ def test_headers_are_read_once_per_cluster(tmp_path):
     assert [r["identities"] for r in indexed] == [24, 0, 0], indexed
     for r in plain + indexed:
         assert r["same_layout"] and r["paths_here"] and r["tensors"] == 30, r
+
+
+def test_no_group_means_the_default_group_and_no_dist_means_alone(tmp_path):
+    from tests.distributed.workers import default_group_load
+
+    rows = run_ranks(3, default_group_load, tmp_path=tmp_path, timeout=240)
+    # Collective by default: the 3 headers read by rank 0 only.
+    assert [r["collective"]["headers"] for r in rows] == [3, 0, 0], rows
+    # Alone: every rank reads its own 3.
+    assert [r["alone"]["headers"] for r in rows] == [3, 3, 3], rows
+    assert all("no_dist=True loads in this process alone" in r["refused"] for r in rows)

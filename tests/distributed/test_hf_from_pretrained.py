@@ -149,7 +149,7 @@ def fsdp1_recipe(rank, world, folder):
     model = empty_model(T5ForConditionalGeneration, folder)  # every rank: parameters on meta
     full = {}
     if rank == 0:
-        oneload.load_into(model, folder)  # rank 0 alone reads, once
+        oneload.load_into(model, folder, no_dist=True)  # rank 0 alone reads, once
         full = model.state_dict()  # every name, tied ones included
     model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={T5Block}),
                  device_id=device, param_init_fn=fsdp1_param_init_fn(model, device))

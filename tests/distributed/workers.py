@@ -310,3 +310,36 @@ def count_discovery(rank: int, world: int, paths) -> dict:
         _reading._torch_load, _index.file_identity = real_load, real_id
         _loading._discover_once = real_once
     return out
+
+
+def default_group_load(rank: int, world: int) -> dict:
+    """load_state_dict(path) with no group under an initialized torch.distributed: collective
+    over the default group (one rank reads the headers); no_dist=True: each rank alone."""
+    from metaseq_oneload import _reading
+
+    calls = {"n": 0}
+    real = _reading._torch_load
+
+    def counting(p, **kw):
+        calls["n"] += 1
+        return real(p, **kw)
+
+    _reading._torch_load = counting
+    try:
+        _reading._cached_header.cache_clear()
+        lc = mo.load_checkpoint(FIXTURES / "fsdp_dp3")
+        collective = {"headers": calls["n"], "strategy": lc.report.strategy}
+        _reading._cached_header.cache_clear()
+        calls["n"] = 0
+        local = mo.load_checkpoint(FIXTURES / "fsdp_dp3", no_dist=True)
+        alone = {"headers": calls["n"], "strategy": local.report.strategy}
+    finally:
+        _reading._torch_load = real
+    assert_matches_reference(lc.model, reference_weights())
+    assert_matches_reference(local.model, reference_weights())
+    try:
+        mo.load_state_dict(FIXTURES / "fsdp_dp3", process_group=dist.group.WORLD, no_dist=True)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"collective": collective, "alone": alone, "refused": refused}
