@@ -249,16 +249,7 @@ class CheckpointLayout:
         folder's config.json) as a dict."""
         if self.config is not None:
             return dict(self.config)
-        header = self.header()
-        if not isinstance(header, Mapping):
-            return {}
-        for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
-            if candidate is None:
-                continue
-            if isinstance(candidate, Mapping):
-                return dict(candidate)
-            return dict(vars(candidate))
-        return {}
+        return model_args_of(self.header())
 
     def header(self, part: int = 0, shard: int = 0) -> Any:
         """(local) The pickled object of one file, tensors on ``meta`` (cached)."""
@@ -335,3 +326,17 @@ def _get(container: Any, key: str) -> Any:
         except Exception:  # an interpolation that cannot resolve outside its app
             return None
     return getattr(container, key, None)
+
+
+def model_args_of(header: Any) -> dict:
+    """A checkpoint header's model hyper-parameters (``cfg.model``, or old fairseq/metaseq
+    ``args``) as a dict; {} where it has none."""
+    if not isinstance(header, Mapping):
+        return {}
+    for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
+        if candidate is None:
+            continue
+        if isinstance(candidate, Mapping):
+            return dict(candidate)
+        return dict(vars(candidate))
+    return {}

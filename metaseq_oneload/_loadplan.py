@@ -20,7 +20,7 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._loading import Want, _choose, _fill, _Options, _resolve_aliases, _schedule, state_dict_wants
+from ._loading import _choose, _fill, _Options, _resolve_aliases, _schedule, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
 

@@ -14,7 +14,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from .._errors import CheckpointLayoutError, cap_list
-from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get
+from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get, model_args_of
 from . import _index, _torchsave
 
 NAME = "metaseq"
@@ -65,7 +65,7 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
     settings = _settings(ts.first)
     name = ts.name
     if (name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files)
-            and not _complete(parts, _get(first_cfg_model(ts.first), "decoder_ffn_embed_dim"))):
+            and not _complete(parts, model_args_of(ts.first).get("decoder_ffn_embed_dim"))):
         missing = cap_list(range(len(files), settings.model_parallel_size),
                            fmt=lambda m: name.format(part=m, shard=0 if name.shard is not None else None))
         raise CheckpointLayoutError(
@@ -126,13 +126,6 @@ def _settings(header: Any) -> CheckpointSettings:
         ddp_backend=None if ddp is None else str(ddp),
         distributed_world_size=as_int(_cfg_value(header, "distributed_training", "distributed_world_size")),
     )
-
-def first_cfg_model(header: Any) -> Any:
-    """``cfg.model`` (a Namespace or dict), or old fairseq's ``args``."""
-    if not isinstance(header, Mapping):
-        return None
-    return _get(header.get("cfg"), "model") or header.get("args")
-
 
 def _complete(parts: Sequence, ffn: Any) -> bool:
     """Whether the parts on disk already hold the whole model, by their tensors: their

@@ -11,9 +11,6 @@ and 5e-2 for bf16 ones (the reference logits are fp32 and the weights were round
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
