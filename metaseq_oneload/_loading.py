@@ -21,6 +21,14 @@ the layout with the other ranks, picks a strategy, and fills the wants:
     ``bucket_mb``; receivers copy what they need out of each bucket (or, for ``flat=False``,
     receive straight into their output tensors).
     Peak extra = output + one bucket, on the reader and on every receiver.
+``parallel``
+    Read once, exchange: every byte some rank wants is read by one rank that sees the files
+    (one that wants it where it can, balanced by bytes) and sent point to point to the
+    others, a node's share crossing the network once (see ``_exchange``). ``auto`` picks it
+    when ranks want the same bytes (``flat=False``, replicated tensors) or some cannot see
+    the files; ``own_shard`` and ``reshard`` read bytes wanted by several ranks the same way.
+    Storage bytes read, summed over ranks = the model's bytes (not W times).
+    Peak extra = output + at most one bucket of staging per rank.
 
 With no process group at all everything runs locally in one process (no collectives).
 """
@@ -43,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle
+from ._exchange import exchange_loop, node_key, overlap, plan_exchange
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
                       cap_list)
 from ._layout import CheckpointLayout, StoredTensor
@@ -54,7 +63,7 @@ __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint
 
 logger = logging.getLogger("metaseq_oneload")
 
-STRATEGIES = ("auto", "own_shard", "reshard", "broadcast")
+STRATEGIES = ("auto", "own_shard", "reshard", "broadcast", "parallel")
 _ALIGN = 64
 
 
@@ -90,6 +99,9 @@ class LoadReport:
     bytes_out: int
     seconds: float
     verified: bool = False
+    bytes_received: int = 0  # from other ranks (parallel, broadcast)
+    bytes_from_other_nodes: int = 0  # of bytes_received, what crossed between nodes
+    bytes_sent: int = 0
     warnings: tuple = field(default=())
     unloaded: tuple = field(default=())  # load_into, strict=False: module tensors the checkpoint lacks
 
@@ -286,14 +298,20 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
         )
     if blind:
         who = "rank" + ("s " if len(blind) > 1 else " ") + cap_list([infos[i]["rank"] for i in blind])
-        if opts.strategy in ("auto", "broadcast"):
+        if opts.strategy == "broadcast":
             return "broadcast", f"{who} cannot see the files; data-parallel rank 0 reads and broadcasts"
+        if opts.strategy in ("auto", "parallel"):
+            return "parallel", (f"{who} cannot see the files; the {len(infos) - len(blind)} rank(s) that can "
+                                "read each byte once between them and send it on")
         raise CheckpointLayoutError(
             f"strategy={opts.strategy!r} needs every rank to read the files, but {who} cannot "
-            f"({infos[blind[0]]['err']}). Use strategy='broadcast' (or 'auto') to read once and broadcast."
+            f"({infos[blind[0]]['err']}). Use strategy='parallel' (or 'auto') to read once among the ranks "
+            "that can and send it on, or 'broadcast'."
         )
     if opts.strategy == "broadcast":
         return "broadcast", "requested: data-parallel rank 0 reads and broadcasts in buckets"
+    if opts.strategy == "parallel":
+        return "parallel", "requested: each byte read once, split among the ranks by bytes, and sent on"
     fits, why = _own_shard_fits(layout, mp_size, world, flat)
     if opts.strategy == "own_shard" and not fits:
         raise CheckpointLayoutError(
@@ -703,6 +721,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         "fp": layout.fingerprint() if layout is not None else None,
         "err": None if err is None else clip(f"{type(err).__name__}: {err}"),
         "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
+        "node": node_key(),
     }
     for g in groups:
         g.at(f"loading {path}: agreeing on the checkpoint")
@@ -729,6 +748,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         targets, structure, wants, error = None, None, None, None
         try:
             if layout is not None and (strategy != "broadcast" or dp.rank == 0):
+                # (with parallel, every rank that sees the files plans: it reads with its own paths)
                 targets = plan_part(layout, mp.size, mp.rank, qkv=opts.qkv, rules=opts.rules, dtype=opts.dtype)
                 if flat:
                     structure = (FlatStructure.from_metadata(structure_from) if structure_from is not None
@@ -738,7 +758,8 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             error = e
         settle(groups, error, f"loading {path}: planning")
         error = None
-        if strategy == "broadcast":
+        blind_ranks = [i for i, info in enumerate(dp_infos) if not info["ok"]]
+        if strategy == "broadcast" or (strategy == "parallel" and blind_ranks):
             dp.at(f"loading {path}: sending the targets from the reader")
             payload = None
             if dp.rank == 0:
@@ -747,7 +768,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
                 except Exception as e:  # still send something: the others are waiting for it
                     error, payload = e, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
             payload = dp.broadcast_bytes(payload)
-            if dp.rank != 0:
+            if dp.rank != 0 and (strategy == "broadcast" or layout is None):
                 try:
                     targets, structure = _unspec(payload)
                 except Exception as e:
@@ -759,6 +780,24 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             error = e
         settle(groups, error, f"loading {path}: matching the target")
 
+        # Where ranks want the same bytes (or some cannot read), read each once and exchange.
+        plan, all_ranges = None, None
+        if strategy in ("own_shard", "reshard", "parallel") and dp.active and dp.size > 1:
+            dp.at(f"loading {path}: planning who reads what")
+            all_ranges = dp.all_gather_json(_want_ranges(wants))
+            sizes = {n: torch.empty((), dtype=t.dtype).element_size() for n, t in targets.items()}
+            wanted, union = overlap(all_ranges, sizes)
+            if strategy == "parallel" or wanted > 1.05 * union:
+                if strategy != "parallel" and opts.strategy == "auto":
+                    strategy, reason = "parallel", (
+                        f"the ranks want {wanted / max(union, 1):.2f}x the bytes there are (the same bytes on several "
+                        "ranks): each byte read once, split among the ranks by bytes, and sent on")
+                elif strategy != "parallel":
+                    reason += "; bytes wanted by several ranks are read once and sent on"
+                readers = [i for i, info in enumerate(dp_infos) if info["ok"]]
+                plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, all_ranges,
+                                     readers, [i["node"] for i in dp_infos], opts.bucket_bytes // len(readers))
+
         # 3. Read.
         total = sum(w.out.numel() * w.out.element_size() for w in wants)
         # Logged before the bar appears: a line printed under it would break it.
@@ -766,7 +805,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             logger.info("oneload: %s: strategy=%s (%s)", path, strategy, reason)
         progress, bar = _progress_bar(opts.progress, total, dp.global_rank)
         sums: dict = {}
-        mode, all_ranges, error = strategy, None, None
+        mode, error, moved = strategy, None, {}
         for g in groups:
             g.at(f"loading {path}: reading")
         with bar:
@@ -781,6 +820,11 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
                 else:
                     mode = "scatter"
                     error, all_ranges = _scatter_loop(dp, targets, wants, reader, opts, progress)
+            elif plan is not None:
+                mode = "scatter" if blind_ranks else "local"
+                nodes = [i["node"] for i in dp_infos]
+                error, moved = exchange_loop(dp, plan, targets, wants, reader, _fill, progress,
+                                             [nodes.index(n) for n in nodes])
             else:
                 try:
                     for w in wants:
@@ -796,7 +840,9 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         if opts.verify:
             for g in groups:
                 g.at(f"loading {path}: verifying")
-            error = _verify(dp, strategy, mode, targets, wants, sums, all_ranges, reader, opts)
+            # Ranks that cannot read have the reader compute their sums (as with broadcast).
+            error = _verify(dp, "broadcast" if mode == "scatter" else strategy, mode, targets, wants, sums,
+                            all_ranges, reader, opts)
             settle(groups, error, f"loading {path}: verifying")
             verified = True
     finally:
@@ -818,6 +864,9 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         seconds=time.perf_counter() - t0,
         verified=verified,
         warnings=layout.warnings if layout else (),
+        bytes_received=moved.get("received", 0),
+        bytes_from_other_nodes=moved.get("from_other_nodes", 0),
+        bytes_sent=moved.get("sent", 0),
     )
     return layout, targets, structure, report
 

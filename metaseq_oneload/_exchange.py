@@ -1,0 +1,288 @@
+"""Read once, exchange: the ``parallel`` strategy.
+
+When several ranks of a data-parallel group want the same bytes (``flat=False``: every rank
+wants the whole model part; replicated tensors; a blind rank), reading them on each rank
+costs the storage W times what the model weighs. Here every byte some rank wants is read by
+exactly one rank that can see the files (a rank that wants it where one can, so its own
+copy lands in place), chosen by a balance of bytes, and sent to the others point to point,
+as Megatron-Core's fully parallel load and Orbax's single-replica restore do.
+
+Node-aware: ranks are grouped by node (torchrun's ``GROUP_RANK``, else the host name). A
+piece travels to another node once, to one rank of it (the relay), which hands it to the
+node's other ranks; so every node receives each byte it needs at most once over the network.
+Files seen by only some nodes (node-local disks) are read by the ranks that see them.
+
+The plan is a pure function of what every rank gathered (wants, readers, nodes), computed
+alike on every rank, so every rank posts matching sends and receives in one order. Reads go
+in rounds of at most one chunk per reader (``bucket_bytes / readers`` each): a round's reads
+run on all readers at once, then its messages. Peak extra memory per rank: its outputs plus
+at most one bucket of staging (a read chunk that does not land in place, and received spans
+that do not).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._dist import Group
+
+__all__ = ["node_key", "ExchangePlan", "plan_exchange", "exchange_loop", "overlap"]
+
+
+def node_key() -> str:
+    """(local) Which node this process runs on, as the other ranks will compare it:
+    ``$METASEQ_ONELOAD_NODE`` if set, else torchrun's node rank (``GROUP_RANK``, which also
+    tells apart two agents started on one host), else the host name."""
+    explicit = os.environ.get("METASEQ_ONELOAD_NODE")
+    if explicit:
+        return explicit
+    group = os.environ.get("GROUP_RANK")
+    if group is not None and os.environ.get("LOCAL_WORLD_SIZE"):
+        return f"{socket.gethostname()}/node{group}"
+    return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Message:
+    """One send: elements ``lo..hi`` of target ``name`` from local rank ``src`` to ``dst``.
+    ``phase`` 1 leaves the reader; phase 2 leaves a relay for its node's other ranks."""
+
+    phase: int
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``lo..hi`` of target ``name``, read by local rank ``owner``; ``spans[r]``
+    is the range rank ``r`` holds once the chunk's messages are done (its wants' extent
+    inside the chunk, or a relay's node's extent)."""
+
+    name: str
+    lo: int
+    hi: int
+    owner: int
+    messages: tuple
+    spans: tuple  # ((rank, lo, hi), ...)
+
+    def span_of(self, rank: int) -> Optional[tuple]:
+        for r, lo, hi in self.spans:
+            if r == rank:
+                return lo, hi
+        return None
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    rounds: tuple  # of tuples of Chunk
+    read_bytes: tuple  # per local rank: what it reads from storage
+    remote_bytes: tuple  # per node index: what the node receives from other nodes
+
+    @property
+    def chunks(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
+
+def _merged(intervals: list) -> list:
+    out: list = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def overlap(ranges: Sequence[Mapping], itemsizes: Mapping[str, int]) -> tuple:
+    """(bytes wanted summed over ranks, bytes of their union): how much reading each
+    rank's own wants would read more than once."""
+    total, per = 0, {}
+    for rr in ranges:
+        for name, items in rr.items():
+            for _, start, stop, _, _ in items:
+                total += (stop - start) * itemsizes[name]
+                per.setdefault(name, []).append((start, stop))
+    union = sum((hi - lo) * itemsizes[name] for name, iv in per.items() for lo, hi in _merged(iv))
+    return total, union
+
+
+def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Sequence[Mapping],
+                  readers: Sequence[int], nodes: Sequence[str], chunk_bytes: int) -> ExchangePlan:
+    """(local, identical on every rank) Who reads which chunk and who sends what to whom.
+
+    ``order``: target names in the one order every rank walks; ``ranges[r]``: rank r's wants
+    as ``{name: [[name, start, stop, dtype, k], ...]}``; ``readers``: the local ranks that
+    see the files; ``nodes[r]``: rank r's node key.
+    """
+    if not readers:
+        raise ValueError("no rank can read the files")
+    world = len(ranges)
+    node_ids = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    node_of = [node_ids[n] for n in nodes]
+    wanted: dict = {}
+    for r, rr in enumerate(ranges):
+        for name, items in rr.items():
+            for _, start, stop, _, _ in items:
+                if stop > start:
+                    wanted.setdefault(name, []).append((start, stop, r))
+    load = {r: 0 for r in readers}
+    per_owner: dict = {r: [] for r in readers}
+    read_bytes = [0] * world
+    remote = [0] * len(node_ids)
+    for name in order:
+        items = wanted.get(name)
+        if not items:
+            continue
+        size = itemsizes[name]
+        per = max(1, chunk_bytes // size)
+        for lo0, hi0 in _merged([(a, b) for a, b, _ in items]):
+            for lo in range(lo0, hi0, per):
+                hi = min(hi0, lo + per)
+                spans = {}
+                for a, b, r in items:
+                    x, y = max(a, lo), min(b, hi)
+                    if x < y:
+                        s = spans.get(r)
+                        spans[r] = (x, y) if s is None else (min(s[0], x), max(s[1], y))
+                # A reader that wants the chunk reads it (its copy lands in place); the one
+                # with the fewest bytes so far, so the reading spreads evenly.
+                cands = [r for r in readers if r in spans] or list(readers)
+                owner = min(cands, key=lambda r: (load[r], r))
+                load[owner] += (hi - lo) * size
+                read_bytes[owner] += (hi - lo) * size
+                messages, held = [], dict(spans)
+                home = node_of[owner]
+                by_node: dict = {}
+                for r in sorted(spans):
+                    if r != owner:
+                        by_node.setdefault(node_of[r], []).append(r)
+                for nd, members in by_node.items():
+                    if nd == home or len(members) == 1:
+                        for r in members:
+                            messages.append(Message(1, owner, r, *spans[r]))
+                            if nd != home:
+                                remote[nd] += (spans[r][1] - spans[r][0]) * size
+                        continue
+                    # Another node with several takers: the chunk crosses once, to a relay.
+                    relay = members[0]
+                    x = min(spans[r][0] for r in members)
+                    y = max(spans[r][1] for r in members)
+                    held[relay] = (x, y)
+                    messages.append(Message(1, owner, relay, x, y))
+                    remote[nd] += (y - x) * size
+                    for r in members[1:]:
+                        messages.append(Message(2, relay, r, *spans[r]))
+                held.setdefault(owner, (lo, hi))
+                per_owner[owner].append(Chunk(name, lo, hi, owner, tuple(messages),
+                                              tuple(sorted((r, a, b) for r, (a, b) in held.items()))))
+    # A round takes from each reader its next chunks up to ``chunk_bytes``: small tensors
+    # share a round, so a model of many small tensors does not pay a collective for each.
+    batches: dict = {}
+    for r, chunks in per_owner.items():
+        out, cur, used = [], [], 0
+        for c in chunks:
+            nbytes = (c.hi - c.lo) * itemsizes[c.name]
+            if cur and used + nbytes > chunk_bytes:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(c)
+            used += nbytes
+        if cur:
+            out.append(cur)
+        batches[r] = out
+    longest = max((len(v) for v in batches.values()), default=0)
+    rounds = tuple(tuple(c for r in readers if j < len(batches[r]) for c in batches[r][j]) for j in range(longest))
+    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote))
+
+
+def _in_place(wants: Sequence, lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """The slice of one want's output that is exactly elements ``lo..hi``, if it can take
+    the bytes as they travel (same dtype, contiguous, on the group's device)."""
+    for w in wants:
+        if w.start <= lo and hi <= w.stop:
+            out = w.out[lo - w.start: hi - w.start]
+            if out.dtype == dtype and out.device == device and out.is_contiguous():
+                return out
+    return None
+
+
+def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequence, reader,
+                  fill: Callable, progress, node_of: Sequence[int]) -> tuple:
+    """(collective over ``dp``) Carry out ``plan``. Returns (this rank's error or None,
+    stats: bytes received, of them from other nodes, bytes sent). Never raises: the caller
+    settles, so every rank leaves after the same collectives."""
+    me = dp.rank
+    by_name: dict = {}
+    for w in wants:
+        by_name.setdefault(w.name, []).append(w)
+    stats = {"received": 0, "from_other_nodes": 0, "sent": 0}
+    error: Optional[BaseException] = None
+    step = dp.step
+    for j, rnd in enumerate(plan.rounds):
+        dp.at(f"{step} (parallel read, round {j + 1} of {len(plan.rounds)})")
+        held: dict = {}  # chunk index -> (lo, tensor holding this rank's span of the chunk)
+        if error is None:
+            try:
+                for c_i, c in enumerate(rnd):
+                    t = targets[c.name]
+                    span = (c.lo, c.hi) if c.owner == me else c.span_of(me)
+                    if span is None:
+                        continue
+                    buf = _in_place(by_name.get(c.name, ()), span[0], span[1], t.dtype, dp.device)
+                    if buf is None:
+                        buf = torch.empty(span[1] - span[0], dtype=t.dtype, device=dp.device)
+                    if c.owner == me:
+                        fill(t, buf, c.lo, reader)
+                    held[c_i] = (span[0], buf)
+            except Exception as exc:  # a read or an allocation: said before anyone sends
+                error = exc
+        # Only if every rank read and made room does anyone send.
+        if dp.all_max(0 if error is None else 1):
+            break
+        with dp.guard():
+            for phase in (1, 2):
+                handles, tag = [], 0
+                for c_i, c in enumerate(rnd):
+                    for m in c.messages:
+                        tag += 1  # the message's place in the round: the same on every rank
+                        if m.phase != phase or me not in (m.src, m.dst):
+                            continue
+                        lo, buf = held[c_i]
+                        view = buf[m.lo - lo: m.hi - lo]
+                        nbytes = view.numel() * view.element_size()
+                        if m.src == me:
+                            handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
+                            stats["sent"] += nbytes
+                        else:
+                            handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
+                            stats["received"] += nbytes
+                            if node_of[m.src] != node_of[me]:
+                                stats["from_other_nodes"] += nbytes
+                for h in handles:
+                    h.wait()
+        try:
+            got = 0
+            for c_i, c in enumerate(rnd):
+                if c_i not in held:
+                    continue
+                lo, buf = held[c_i]
+                for w in by_name.get(c.name, ()):
+                    a, b = max(w.start, lo), min(w.stop, lo + buf.numel())
+                    if a < b:
+                        dst, src = w.out[a - w.start: b - w.start], buf[a - lo: b - lo]
+                        if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
+                            dst.copy_(src)  # landed in staging, or a second want of the same bytes
+                        got += (b - a) * dst.element_size()
+            if progress and got:
+                progress(got)
+        except Exception as exc:
+            error = exc
+    return error, stats
