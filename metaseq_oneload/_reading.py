@@ -42,6 +42,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from . import _storage
 from ._errors import CheckpointLayoutError, UnsafeCheckpointError
 
 __all__ = [
@@ -140,7 +141,8 @@ def _allowlisted():
 def _describe_unsafe(path: str) -> str:
     try:
         with _allowlisted():
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(
+                _storage.RemoteFile(path) if _storage.is_url(path) else path)
     except Exception:  # the scan is best effort; the refusal stands either way
         names = []
     return ", ".join(names) if names else "a class outside the allowlist"
@@ -149,15 +151,19 @@ def _describe_unsafe(path: str) -> str:
 def _file_kind(path: str) -> str:
     """'zip', 'legacy', or raise a CheckpointLayoutError naming what the file is instead."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
+        if _storage.is_url(path):  # an object: its first bytes through the header cache
+            src = _storage.RemoteFile(path)
+            size, head = src.size, src.pread(8, 0)
+        else:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                head = f.read(8)
     except OSError as e:
         raise CheckpointLayoutError(f"{path}: cannot read the file ({e.strerror or e}).") from e
     if size == 0:
         raise CheckpointLayoutError(f"{path}: the file is empty (0 bytes); expected a torch checkpoint.")
     if head.startswith(_ZIP_MAGIC):
-        if not zipfile.is_zipfile(path):
+        if not zipfile.is_zipfile(src if _storage.is_url(path) else path):
             raise CheckpointLayoutError(
                 f"{path}: truncated or corrupted: it starts like a torch zip checkpoint but its zip "
                 f"directory, which torch writes at the very end, is missing ({size} bytes on disk). "
@@ -239,7 +245,7 @@ def _bad_zip(path: str, what: str) -> CheckpointLayoutError:
 
 
 def _pread_exact(fd: int, offset: int, n: int, path: str, what: str) -> bytes:
-    data = os.pread(fd, n, offset)
+    data = _storage.pread(fd, n, offset)  # fd: a descriptor, or an object store's RemoteFile
     if len(data) != n:
         raise _bad_zip(path, f"{what} at byte {offset} runs past the end of the file")
     return data
@@ -306,12 +312,14 @@ def _central_directory(fd: int, size: int, path: str) -> tuple:
 def _parse_zip(path: str) -> ZipIndex:
     """The archive's records as a zip reader (and so torch.load) reads them; raises
     CheckpointLayoutError on anything torch could not read or could read two ways."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = _storage.open_ro(path)
     try:
-        size = os.fstat(fd).st_size
+        size = _storage.fsize(fd)
         entries, cd_offset = _central_directory(fd, size, path)
         if not entries:
             raise _bad_zip(path, "the archive holds no records")
+        if not isinstance(fd, int):  # an object: every local header in one concurrent batch
+            fd.prefetch([(e[5], _LOCAL.size + 1024) for e in entries])
         # torch looks every record up under the folder of the archive's first entry.
         folder = entries[0][0].split("/", 1)[0]
         prefix = folder + "/"
@@ -352,7 +360,7 @@ def _parse_zip(path: str) -> ZipIndex:
             byteorder = _record_bytes(fd, records["byteorder"], path).decode("ascii", "replace").strip()
         return ZipIndex(path, folder, records, byteorder)
     finally:
-        os.close(fd)
+        _storage.close(fd)
 
 
 def _record_bytes(fd: int, rec: ZipRecord, path: str) -> bytes:
@@ -634,13 +642,19 @@ def range_readable(path: str) -> bool:
 
 def _torch_load(path: str, *, trust_pickle: bool, **kwargs) -> Any:
     kind = _file_kind(path)
-    if kind == "legacy":
-        kwargs.pop("mmap", None)  # legacy files cannot be memory-mapped
+    src: Any = path
+    if kind == "legacy" or _storage.is_url(path):
+        kwargs.pop("mmap", None)  # legacy files and objects cannot be memory-mapped
+    if _storage.is_url(path):
+        # a zip's header onto meta: ranged reads of what torch asks for; anything else
+        # (tensor data, a legacy pickle) is read whole, once
+        src = (_storage.RemoteFile(path) if kind == "zip" and kwargs.get("map_location") == "meta"
+               else io.BytesIO(_storage.read_all(path)))
     try:
         if trust_pickle:
-            return torch.load(path, weights_only=False, **kwargs)
+            return torch.load(src, weights_only=False, **kwargs)
         with _allowlisted():
-            return torch.load(path, weights_only=True, **kwargs)
+            return torch.load(src, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
         if "weights only" in str(e).lower() or "weights_only" in str(e):
             raise UnsafeCheckpointError(
@@ -669,6 +683,9 @@ def _torch_load(path: str, *, trust_pickle: bool, **kwargs) -> Any:
 
 
 def _stat_key(path: str) -> tuple:
+    if _storage.is_url(path):  # (url, size, ETag or the store's version, -)
+        st = _storage.stat(path)
+        return (path, st.size, st.version, 0)
     st = os.stat(path)
     return (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
 
@@ -683,11 +700,11 @@ def _cached_header(key: tuple, trust_pickle: bool) -> Any:
         pkl = index.records.get("data.pkl")
         if pkl is None:
             raise _bad_zip(path, f"it holds no {index.folder}/data.pkl record (the pickle torch.load reads)")
-        fd = os.open(path, os.O_RDONLY)
+        fd = _storage.open_ro(path)
         try:
             data_pkl = _record_bytes(fd, pkl, path)
         finally:
-            os.close(fd)
+            _storage.close(fd)
     obj = _torch_load(path, trust_pickle=trust_pickle, map_location="meta")
     if index is not None:
         _check_zip(path, obj, index, data_pkl)
@@ -899,6 +916,8 @@ class RangeReader:
     def _read_piece(self, path: str, offset: int, view: memoryview) -> int:
         """Bytes of ``view`` filled from file ``offset`` on; fewer than asked only where the
         file ends first."""
+        if _storage.is_url(path):  # ranged requests, written into ``view`` as they arrive
+            return _storage.read_into(path, offset, view)
         if self.direct:
             dfd = self._direct_fd(path)
             if dfd is not None:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .. import _storage
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError
 from .._layout import CheckpointLayout
 from . import dcp, huggingface, metaseq, plain
@@ -77,6 +78,8 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
 
 
 def _given_folder(path: str) -> str:
+    if _storage.is_url(path):  # a URL names one place for every rank: no links, no cwd
+        return path.rstrip("/") if _storage.isdir(path) else path.rsplit("/", 1)[0]
     given = path if os.path.isdir(path) and not glob.has_magic(path) else os.path.dirname(path)
     return os.path.abspath(given or ".")
 
@@ -86,6 +89,8 @@ def _as_given(layout: CheckpointLayout, path: str) -> CheckpointLayout:
     link to the real one (checkpoints often live behind links to shared storage): what
     ``inspect`` shows and what errors name is then what the user typed. The describers
     resolve links to group files; that stays, only the spelling changes."""
+    if _storage.is_url(path):
+        return layout
     given = _given_folder(path)
     if given == layout.directory or os.path.realpath(given) != os.path.realpath(layout.directory):
         return layout
@@ -115,6 +120,8 @@ def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = Fal
 
     d = json.loads(payload)
     where = d["where"]
+    if _storage.is_url(where["directory"]) or _storage.is_url(os.fspath(path)):
+        return _adopt_url(d, path, trust_pickle=trust_pickle)
     folder = os.path.normpath(os.path.join(_given_folder(os.fspath(path)),
                                            os.path.relpath(where["directory"], where["given"])))
     layout = _index.from_json(d, folder, trust_pickle=trust_pickle, index=False)
@@ -130,6 +137,20 @@ def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = Fal
                 raise CheckpointLayoutError(f"{f.path}: cannot read it here ({e.strerror or e}).") from None
             if (st.st_size, st.st_mtime_ns) != (sent["size"], sent["mtime_ns"]):
                 raise CheckpointLayoutError(f"{f.path}: not the file the coordinating rank sees (size or time differ).")
+    return layout
+
+
+def _adopt_url(d: dict, path, *, trust_pickle: bool) -> CheckpointLayout:
+    """An object store shows every rank the same objects under one URL: the sender's layout
+    is taken as it is (no request per file per rank), where this rank was given the same URL."""
+    from . import _index
+
+    where = d["where"]
+    if os.fspath(path) != where["given"] and _given_folder(os.fspath(path)) != where["given"]:
+        raise CheckpointLayoutError(f"{path}: not the URL the coordinating rank was given ({where['given']}).")
+    layout = _index.from_json(d, where["directory"], trust_pickle=trust_pickle, index=False)
+    if where["index"]:
+        layout = dataclasses.replace(layout, index=where["index"])
     return layout
 
 

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
+from .. import _storage
 from .._errors import CheckpointLayoutError
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, FlatParam, ModelPart, StoredTensor
 from .._reading import Extent, _record_bytes, _stat_key, _zip_index
@@ -80,7 +81,7 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identiti
     def about(f: CheckpointFile) -> dict:
         if identities:
             return file_identity(f.path)
-        return {"size": f.size, "mtime_ns": os.stat(f.path).st_mtime_ns}
+        return {"size": f.size, "mtime_ns": _storage.mtime_ns(f.path)}
 
     return {
         "format": "metaseq-oneload index",
@@ -175,7 +176,7 @@ def load(directory: str, prefix: str, grid: list, *, trust_pickle: bool = False)
     """(local) (layout, "") from the index beside a set when it agrees with the files, else
     (None, why not: "" where there is no index)."""
     path = index_path(directory, prefix)
-    if not os.path.exists(path):
+    if _storage.is_url(path) or not os.path.exists(path):  # remote sets: headers (ranged reads)
         return None, ""
     try:
         with open(path) as f:

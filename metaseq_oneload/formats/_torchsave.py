@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from .. import _storage
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list as _cap
 from .._layout import CheckpointFile, FileName, FlatParam, ModelPart, StoredTensor
 from .._reading import Extent, _file_kind, key_path, range_readable, read_header, storage_byte_offset
@@ -45,11 +46,10 @@ def _read_pointer(path: str) -> Optional[str]:
     """The target name if ``path`` is a tiny text file holding a checkpoint file name (how
     a symlink looks after a copy that does not keep links, e.g. a git checkout)."""
     try:
-        if os.path.getsize(path) > _POINTER_MAX_BYTES:
-            return None
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = _storage.read_small(path, _POINTER_MAX_BYTES)
     except OSError:
+        return None
+    if raw is None:
         return None
     try:
         text = raw.decode("utf-8").strip()
@@ -63,6 +63,8 @@ def _read_pointer(path: str) -> Optional[str]:
 def _resolve(path: str) -> str:
     """Follow symlinks and text pointers to the real file; raise on loops and dangling
     links."""
+    if _storage.is_url(path):
+        return _resolve_url(path)
     chain = [path]
     current = path
     for _ in range(_MAX_POINTER_HOPS):
@@ -103,6 +105,39 @@ def _resolve(path: str) -> str:
     raise CheckpointLayoutError(f"{path}: more than {_MAX_POINTER_HOPS} links deep ({' -> '.join(chain[:5])} ...).")
 
 
+def _resolve_url(url: str) -> str:
+    """An object store has no links; a small object holding a file name is a pointer."""
+    chain = [url]
+    current = url
+    for _ in range(_MAX_POINTER_HOPS):
+        try:
+            st = _storage.stat(current)
+        except FileNotFoundError:
+            if len(chain) > 1:
+                raise CheckpointLayoutError(
+                    f"{url}: dangling pointer: {' -> '.join(chain)} does not exist. Rewrite the pointer "
+                    "or pass the checkpoint's real object name.") from None
+            raise CheckpointNotFoundError(
+                f"{url}: no such object (nor a folder of that name). Check the bucket and key, e.g. with "
+                "`aws s3 ls` or `fsspec`'s ls, and the endpoint and credentials "
+                "(docs/remote.md).") from None
+        except PermissionError as e:
+            raise CheckpointLayoutError(
+                f"{url}: access denied ({e}): the credentials this process has may not read it. Check "
+                "them (AWS_PROFILE, AWS_ACCESS_KEY_ID, ONELOAD_STORAGE_OPTIONS; docs/remote.md).") from None
+        if st.isdir:
+            return current
+        target = _read_pointer(current) if st.size <= _POINTER_MAX_BYTES else None
+        if target is None:
+            return current
+        nxt = current.rsplit("/", 1)[0] + "/" + target
+        if nxt in chain:
+            raise CheckpointLayoutError(f"{url}: pointer loop ({' -> '.join(chain + [nxt])}).")
+        chain.append(nxt)
+        current = nxt
+    raise CheckpointLayoutError(f"{url}: more than {_MAX_POINTER_HOPS} pointers deep ({' -> '.join(chain[:5])} ...).")
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One *.pt entry of a folder: its own name, and the real file it resolves to."""
@@ -126,7 +161,7 @@ def _scan(directory: str, problems: Optional[list] = None) -> list:
     ``problems``): if it belonged to the set the user asked for, the grid check names the
     missing file instead."""
     try:
-        names = sorted(os.listdir(directory))
+        names = sorted(_storage.listdir(directory))
     except PermissionError:
         raise CheckpointLayoutError(
             f"{directory}: permission denied: this user cannot list the folder. Check its permissions "
@@ -138,7 +173,7 @@ def _scan(directory: str, problems: Optional[list] = None) -> list:
     for n in names:
         parsed = FileName.parse(n)
         full = os.path.join(directory, n)
-        if parsed is None or os.path.isdir(full):
+        if parsed is None or _storage.isdir(full):
             continue
         try:
             entries.append(_Entry(n, parsed, _resolve(full)))
@@ -194,7 +229,7 @@ def _describe_sets(sets: Sequence[_FileSet]) -> str:
 def _resolve_set(path: str) -> _FileSet:
     path = os.fspath(path)
     if glob.has_magic(path):
-        matches = [m for m in sorted(glob.glob(path)) if not os.path.isdir(m)]
+        matches = [m for m in sorted(_storage.glob(path)) if not _storage.isdir(m)]
         if not matches:
             raise CheckpointNotFoundError(f"{path}: the pattern matches no files.")
         entries = [_Entry(os.path.basename(m), FileName.parse(os.path.basename(m)) or FileName(m), _resolve(m))
@@ -207,7 +242,7 @@ def _resolve_set(path: str) -> _FileSet:
             )
         return _set_from(keys[0], entries)
 
-    if os.path.isdir(path):
+    if _storage.isdir(path):
         problems: list = []
         entries = _scan(path, problems)
         if not entries and problems:
@@ -246,9 +281,9 @@ def _resolve_set(path: str) -> _FileSet:
             f"{os.path.join(path, sets[-1].prefix + '.pt')}."
         )
 
-    if os.path.lexists(path):
+    if _storage.lexists(path):
         real = _resolve(path)
-        if os.path.isdir(real):
+        if _storage.isdir(real):
             return _resolve_set(real)
         entry = _Entry(os.path.basename(path), FileName.parse(os.path.basename(path)) or FileName(path), real)
         if entry.real_name is None:
@@ -262,14 +297,14 @@ def _resolve_set(path: str) -> _FileSet:
     # X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt).
     directory, base = os.path.split(path)
     directory = directory or "."
-    if not base.endswith(".pt") or not os.path.isdir(directory):
+    if not base.endswith(".pt") or not _storage.isdir(directory):
         raise CheckpointNotFoundError(f"{path}: no such file or folder.")
     stem = base[:-3]
     entries = [e for e in _scan(directory) if e.parsed.prefix == stem]
     if not entries:
         raise CheckpointNotFoundError(
             f"{path}: no such file, and no {stem}-model_part-*.pt, {stem}-shard*.pt or {stem}_part*.pt "
-            f"beside it in {os.path.abspath(directory)}. Pass an existing file or the folder."
+            f"beside it in {_storage.abspath(directory)}. Pass an existing file or the folder."
         )
     keys = sorted({e.set_key for e in entries})
     if len(keys) > 1:
@@ -672,7 +707,7 @@ def read_set(path: str, *, trust_pickle: bool = False, resolved: Optional[tuple]
                 "checkpoint (a dict with a 'model' state dict) or a plain state dict of tensors."
             )
     files = tuple(
-        tuple(CheckpointFile(p, m, d, os.path.getsize(p), _format(p)) for d, p in enumerate(row))
+        tuple(CheckpointFile(p, m, d, _storage.getsize(p), _format(p)) for d, p in enumerate(row))
         for m, row in enumerate(grid)
     )
     return TorchSet(fs, name, files, headers)

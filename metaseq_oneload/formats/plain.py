@@ -14,6 +14,7 @@ import glob
 import os
 from typing import Mapping
 
+from .. import _storage
 from .._errors import CheckpointLayoutError
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName
 from . import _torchsave
@@ -27,13 +28,13 @@ _TRAINING_KEYS = ("cfg", "args", "optimizer_history", "shard_metadata", "fsdp_me
 def _single_file(path: str):
     """The real file a single-file path names, or None where the path is a folder, a glob,
     a member of a suffixed set, or nothing."""
-    if glob.has_magic(path) or not os.path.lexists(path) or os.path.isdir(path):
+    if glob.has_magic(path) or not _storage.lexists(path) or _storage.isdir(path):
         return None
     try:
         real = _torchsave._resolve(path)
     except CheckpointLayoutError:
         return None
-    if os.path.isdir(real):
+    if _storage.isdir(real):
         return None
     parsed = FileName.parse(os.path.basename(real))
     if parsed is not None and (parsed.part is not None or parsed.shard is not None):
@@ -66,7 +67,7 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     given = os.path.basename(os.fspath(path))
     fileset = _torchsave._FileSet(directory, prefix, (real,), (given,) if given != base else ())
     header = _torchsave.read_header(real, trust_pickle=trust_pickle)
-    f = CheckpointFile(real, 0, 0, os.path.getsize(real), _torchsave._format(real))
+    f = CheckpointFile(real, 0, 0, _storage.getsize(real), _torchsave._format(real))
     ts = _torchsave.TorchSet(fileset, FileName(prefix), ((f,),), {real: header})
     parts, metadata_key, stale = _torchsave.build_parts(ts)
     return CheckpointLayout(

@@ -1,0 +1,536 @@
+"""How bytes move: local files, and object stores through fsspec, behind one small seam.
+
+Local paths keep the engine's own code path (``os.stat``, ``os.preadv`` into the
+destination); every function here answers a local path with the ``os`` call it replaces.
+A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec protocol) goes to fsspec:
+
+* ranged reads only: a header read takes the archive's tail, its central directory, one
+  local header per record and the ``data.pkl`` record, never a tensor's bytes; a data read
+  takes exactly the bytes a rank needs, in parts of at most ``part_bytes``, written into
+  the destination's memory as each part arrives;
+* at most ``concurrency`` requests in flight per process (a semaphore over every thread
+  that reads, headers and data alike), so in-flight memory is at most
+  ``concurrency * part_bytes`` beyond the destination;
+* each request retried with exponential backoff and jitter on transient errors (5xx,
+  throttling, connection resets, timeouts), never on a missing object or a refused
+  credential, which are answered at once.
+
+Settings come from the environment, so that every entry point (the API, the CLI, the
+metaseq patch, torchrun workers) sees the same ones:
+
+``ONELOAD_STORAGE_OPTIONS``   JSON: fsspec options for every protocol (``{"anon": true}``), or
+                              per protocol (``{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}``)
+``ONELOAD_REMOTE_CONCURRENCY`` requests in flight per process (default 16)
+``ONELOAD_REMOTE_RETRIES``     retries per request after the first try (default 5)
+``ONELOAD_REMOTE_BACKOFF``     first backoff in seconds, doubled per retry, capped at 10 s (default 0.2)
+``ONELOAD_REMOTE_PART_MB``     largest single ranged request, MiB (default 8)
+
+fsspec and the protocol's implementation (s3fs, gcsfs, adlfs, aiohttp) are imported only when
+a URL is given: the package imports and runs on local files without them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import concurrent.futures
+import functools
+import glob as _glob
+import io
+import json
+import os
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats"]
+
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+# Errors no retry can cure: a missing object, a refused credential, a bad argument.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
+              TypeError, NotImplementedError)
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names an object through a protocol (``s3://...``) rather than a local file."""
+    return isinstance(path, str) and _URL_RE.match(path) is not None
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How remote reads are issued (see the module docstring for the environment variables)."""
+
+    concurrency: int = 16  # requests in flight per process
+    retries: int = 5  # retries per request after the first try
+    backoff_s: float = 0.2  # first backoff; doubled per retry, capped at 10 s, with jitter
+    part_bytes: int = 8 << 20  # largest single ranged request
+    storage_options: str = "{}"  # JSON, as in ONELOAD_STORAGE_OPTIONS
+
+    def __post_init__(self):
+        if self.concurrency < 1 or self.retries < 0 or self.backoff_s < 0 or self.part_bytes < (64 << 10):
+            raise ValueError(f"invalid remote storage settings {self}: concurrency >= 1, retries >= 0, "
+                             "backoff >= 0, part >= 64 KiB")
+
+    def options_for(self, protocol: str) -> dict:
+        opts = json.loads(self.storage_options or "{}")
+        if not isinstance(opts, dict):
+            raise ValueError(f"ONELOAD_STORAGE_OPTIONS must be a JSON object, got {self.storage_options!r}")
+        # Per protocol where keys name protocols and hold objects, else the same for all.
+        if opts and all(isinstance(v, dict) for v in opts.values()):
+            return dict(opts.get(protocol, {}))
+        return opts
+
+
+def settings() -> RemoteSettings:
+    """(local) The settings as the environment says now."""
+    env = os.environ
+    return RemoteSettings(
+        concurrency=int(env.get("ONELOAD_REMOTE_CONCURRENCY", 16)),
+        retries=int(env.get("ONELOAD_REMOTE_RETRIES", 5)),
+        backoff_s=float(env.get("ONELOAD_REMOTE_BACKOFF", 0.2)),
+        part_bytes=int(float(env.get("ONELOAD_REMOTE_PART_MB", 8)) * (1 << 20)),
+        storage_options=env.get("ONELOAD_STORAGE_OPTIONS", "{}"),
+    )
+
+
+class _Stats:
+    """What this process fetched from object stores (tests and reports read it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests = 0
+            self.bytes = 0
+            self.retries = 0
+            self.in_flight = 0
+            self.max_in_flight = 0
+
+    def add(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"requests": self.requests, "bytes": self.bytes, "retries": self.retries,
+                    "max_in_flight": self.max_in_flight}
+
+
+_STATS = _Stats()
+
+
+def stats() -> dict:
+    """(local) Requests, bytes and retries this process made to object stores since the last reset."""
+    return _STATS.as_dict()
+
+
+def reset_stats() -> None:
+    """Zero the counters and forget cached stats and header bytes (the next read asks the store)."""
+    _STATS.reset()
+    _CACHE.clear()
+    with _STAT_LOCK:
+        _STAT_CACHE.clear()
+
+
+# --------------------------------------------------------------------------- fsspec
+
+
+def _missing_fsspec(url: str, e: ImportError) -> ImportError:
+    return ImportError(
+        f"{url}: reading checkpoints from URLs needs fsspec and the protocol's package ({e}). "
+        "Install them with `pip install metaseq-oneload[remote]` (s3fs for s3://; gcsfs for gs://, "
+        "adlfs for az://, aiohttp for http(s)://).")
+
+
+@functools.lru_cache(maxsize=64)
+def _filesystem(protocol: str, options: str, url_example: str):
+    try:
+        import fsspec
+    except ImportError as e:
+        raise _missing_fsspec(url_example, e) from None
+    try:
+        return fsspec.filesystem(protocol, **json.loads(options))
+    except ImportError as e:
+        raise _missing_fsspec(url_example, e) from None
+    except ValueError as e:  # fsspec: "Protocol not known"
+        raise ValueError(f"{url_example}: fsspec does not know the protocol {protocol}:// ({e}).") from None
+
+
+def _fs(url: str) -> tuple:
+    """(filesystem, path inside it) for a URL."""
+    protocol = url.split("://", 1)[0].lower()
+    s = settings()
+    fs = _filesystem(protocol, json.dumps(s.options_for(protocol), sort_keys=True), url)
+    return fs, fs._strip_protocol(url)
+
+
+def _url_of(fs, path: str, like: str) -> str:
+    """The URL of ``path`` found through ``fs``, spelled with the protocol ``like`` uses."""
+    protocol = like.split("://", 1)[0]
+    return f"{protocol}://{path.lstrip('/')}" if protocol not in ("http", "https") else path
+
+
+@functools.lru_cache(maxsize=None)
+def _limiter(n: int) -> threading.BoundedSemaphore:
+    return threading.BoundedSemaphore(n)
+
+
+def _request(url: str, what: str, fn, *args, **kwargs):
+    """One request, within the concurrency bound, retried with backoff on transient errors."""
+    s = settings()
+    sem = _limiter(s.concurrency)
+    for attempt in range(s.retries + 1):
+        with sem:
+            _STATS.add(requests=1, in_flight=1)
+            try:
+                return fn(*args, **kwargs)
+            except _PERMANENT:
+                raise
+            except Exception as e:  # noqa: BLE001 - 5xx, throttling, resets, timeouts
+                if attempt == s.retries:
+                    raise OSError(f"{url}: {what} failed after {s.retries + 1} tries "
+                                  f"({type(e).__name__}: {e})") from e
+            finally:
+                _STATS.add(in_flight=-1)
+        _STATS.add(retries=1)
+        time.sleep(min(10.0, s.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2))
+
+
+@dataclass(frozen=True)
+class Stat:
+    size: int
+    version: str  # ETag, generation or modification time: changes when the object does
+    isdir: bool
+
+
+def _stat_of(info: dict) -> Stat:
+    version = next((str(info[k]) for k in ("ETag", "etag", "generation", "mtime", "LastModified",
+                                           "last_modified", "created") if info.get(k) is not None), "")
+    return Stat(int(info.get("size") or 0), version, info.get("type") == "directory")
+
+
+# One load asks the size and kind of each object many times (discovery, the zip parser, the
+# reader); a stat is a request, so answers are kept a few seconds (a listing fills them too).
+_STAT_TTL_S = 10.0
+_STAT_CACHE: dict = {}
+_STAT_LOCK = threading.Lock()
+
+
+def _stat_url(url: str) -> Stat:
+    now = time.monotonic()
+    with _STAT_LOCK:
+        hit = _STAT_CACHE.get(url)
+    if hit is not None and now - hit[0] < _STAT_TTL_S:
+        return hit[1]
+    fs, path = _fs(url)
+    st = _stat_of(_request(url, "stat", fs.info, path))
+    with _STAT_LOCK:
+        _STAT_CACHE[url] = (now, st)
+    return st
+
+
+# --------------------------------------------------------------------------- os-like calls
+# Each answers a local path with the os call it stands for.
+
+
+def stat(path: str) -> Stat:
+    """(local) Size, version and kind; raises FileNotFoundError where nothing is there."""
+    if not is_url(path):
+        st = os.stat(path)
+        return Stat(st.st_size, str(st.st_mtime_ns), os.path.isdir(path))
+    return _stat_url(path)
+
+
+def exists(path: str) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    try:
+        _stat_url(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def lexists(path: str) -> bool:
+    return os.path.lexists(path) if not is_url(path) else exists(path)
+
+
+def isdir(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isdir(path)
+    try:
+        return _stat_url(path).isdir
+    except FileNotFoundError:
+        return False
+
+
+def getsize(path: str) -> int:
+    return os.path.getsize(path) if not is_url(path) else _stat_url(path).size
+
+
+def mtime_ns(path: str) -> Any:
+    """What tells two versions of a file apart: st_mtime_ns locally, the ETag (or the
+    store's equivalent) for an object."""
+    return os.stat(path).st_mtime_ns if not is_url(path) else _stat_url(path).version
+
+
+def listdir(path: str) -> list:
+    """Entry names of a folder (a URL: the objects and common prefixes under ``path/``)."""
+    if not is_url(path):
+        return os.listdir(path)
+    fs, p = _fs(path)
+    # Fresh: a listing cached by an earlier load would hide files written since.
+    fs.invalidate_cache(p)
+    entries = _request(path, "list", fs.ls, p, detail=True)
+    out = []
+    now = time.monotonic()
+    base = path.rstrip("/")
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name and e["name"].rstrip("/") != p.rstrip("/"):
+            out.append(name)
+            with _STAT_LOCK:
+                _STAT_CACHE[f"{base}/{name}"] = (now, _stat_of(e))
+    return out
+
+
+def glob(pattern: str) -> list:
+    if not is_url(pattern):
+        return _glob.glob(pattern)
+    fs, p = _fs(pattern)
+    return [_url_of(fs, m, pattern) for m in _request(pattern, "glob", fs.glob, p)]
+
+
+def realpath(path: str, *, strict: bool = False) -> str:
+    """Object stores have no links: a URL is its own real path (checked for existence when strict)."""
+    if not is_url(path):
+        return os.path.realpath(path, strict=strict)
+    if strict:
+        _stat_url(path)
+    return path
+
+
+def abspath(path: str) -> str:
+    return path if is_url(path) else os.path.abspath(path)
+
+
+def read_small(path: str, limit: int) -> Optional[bytes]:
+    """The whole file if it holds at most ``limit`` bytes, else None (pointer files)."""
+    if getsize(path) > limit:
+        return None
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read()
+    return read_range(path, 0, limit)
+
+
+# --------------------------------------------------------------------------- ranged reads
+
+
+def read_range(url: str, offset: int, n: int) -> bytes:
+    """Bytes ``offset .. offset+n`` of an object (fewer where it ends first), in one request."""
+    if n <= 0:
+        return b""
+    fs, path = _fs(url)
+    data = _request(url, f"reading bytes {offset}..{offset + n}", fs.cat_file, path, start=offset, end=offset + n)
+    _STATS.add(bytes=len(data))
+    return data
+
+
+_POOL_LOCK = threading.Lock()
+_POOLS: dict = {}
+
+
+def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    with _POOL_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = _POOLS[n] = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="oneload-get")
+        return pool
+
+
+def read_into(url: str, offset: int, view: memoryview) -> int:
+    """(local) Fill ``view`` with the object's bytes from ``offset``: parts of at most
+    ``part_bytes`` fetched concurrently (within the process-wide bound), each written into
+    its place as it arrives. Returns the bytes written (fewer only where the object ends)."""
+    s = settings()
+    n = len(view)
+    parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
+
+    def one(a: int, b: int) -> int:
+        data = read_range(url, offset + a, b - a)
+        view[a:a + len(data)] = data
+        return len(data)
+
+    if len(parts) == 1:
+        got = [one(*parts[0])]
+    else:
+        # The caller never runs on a pool thread, so waiting here cannot starve the pool.
+        got = list(_pool(s.concurrency).map(lambda ab: one(*ab), parts))
+    done = 0
+    for (a, b), g in zip(parts, got):
+        if g < b - a:
+            return a + g
+        done = b
+    return done
+
+
+def read_all(url: str) -> bytes:
+    """The whole object (formats read whole anyway: legacy pickles, compressed archives)."""
+    size = getsize(url)
+    buf = bytearray(size)
+    got = read_into(url, 0, memoryview(buf))
+    return bytes(buf[:got])
+
+
+class _SegmentCache:
+    """Byte ranges of objects already fetched for header reads, so that our zip parser and
+    torch's reader of the same archive share one fetch of the tail, the central directory,
+    the local headers and the pickle. Bounded; the least recently used objects go first."""
+
+    def __init__(self, max_bytes: int = 32 << 20):
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        # key -> ([starts], [data]) sorted by start
+        self._by_key: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+        self._bytes = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_key.clear()
+            self._bytes = 0
+
+    def get(self, key: tuple, offset: int, n: int) -> Optional[bytes]:
+        with self._lock:
+            segs = self._by_key.get(key)
+            if segs is None:
+                return None
+            starts, datas = segs
+            # Segments may overlap; any one that starts at or before offset may hold the range.
+            for i in range(bisect.bisect_right(starts, offset) - 1, -1, -1):
+                start, data = starts[i], datas[i]
+                if offset + n <= start + len(data):
+                    self._by_key.move_to_end(key)
+                    return data[offset - start: offset - start + n]
+                if offset - start > self.max_bytes // 4:
+                    break  # no segment is that long
+            return None
+
+    def put(self, key: tuple, offset: int, data: bytes) -> None:
+        if len(data) > self.max_bytes // 4:
+            return
+        with self._lock:
+            starts, datas = self._by_key.setdefault(key, ([], []))
+            i = bisect.bisect_right(starts, offset)
+            starts.insert(i, offset)
+            datas.insert(i, data)
+            self._by_key.move_to_end(key)
+            self._bytes += len(data)
+            while self._bytes > self.max_bytes and len(self._by_key) > 1:
+                _, (_, old) = self._by_key.popitem(last=False)
+                self._bytes -= sum(len(d) for d in old)
+
+
+_CACHE = _SegmentCache()
+# Small reads fetch at least this much: the next small read (a record after its local
+# header, the central directory after the end record) is then usually already here.
+_MIN_FETCH = 16 << 10
+
+
+class RemoteFile(io.RawIOBase):
+    """(local) A read-only, seekable file over one object, for header reads: what
+    ``torch.load`` and ``zipfile`` read through, and what :func:`_reading._pread_exact`
+    takes in place of a descriptor (``pread``). Small reads are served from a shared cache
+    of the ranges already fetched; large ones go straight to the store."""
+
+    def __init__(self, url: str, st: Optional[Stat] = None):
+        super().__init__()
+        self.url = url
+        st = st or _stat_url(url)
+        if st.isdir:
+            raise IsADirectoryError(f"{url}: a folder, not a file")
+        self.size = st.size
+        self._key = (url, st.size, st.version)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self.size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def pread(self, n: int, offset: int) -> bytes:
+        n = max(0, min(n, self.size - offset))
+        if n == 0:
+            return b""
+        hit = _CACHE.get(self._key, offset, n)
+        if hit is not None:
+            return hit
+        want = n if n >= _MIN_FETCH else min(self.size - offset, _MIN_FETCH)
+        data = read_range(self.url, offset, want)
+        _CACHE.put(self._key, offset, data)
+        return data[:n]
+
+    def prefetch(self, ranges) -> None:
+        """Fetch many small ranges at once (concurrently), into the cache."""
+        want = sorted((a, min(n, self.size - a)) for a, n in ranges
+                      if 0 <= a < self.size and _CACHE.get(self._key, a, min(n, self.size - a)) is None)
+        todo: list = []
+        for a, n in want:  # ranges close together (small records) in one request
+            if todo and a - (todo[-1][0] + todo[-1][1]) <= _MIN_FETCH:
+                todo[-1] = (todo[-1][0], max(todo[-1][1], a + n - todo[-1][0]))
+            else:
+                todo.append((a, n))
+        if len(todo) <= 1:
+            for a, n in todo:
+                self.pread(n, a)
+            return
+        s = settings()
+
+        def one(an):
+            a, n = an
+            _CACHE.put(self._key, a, read_range(self.url, a, n))
+
+        list(_pool(s.concurrency).map(one, todo))
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        data = self.pread(len(view), self._pos)
+        view[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def open_ro(path: str):
+    """What the zip parser reads through: a descriptor for a local file, a RemoteFile for a URL."""
+    return os.open(path, os.O_RDONLY) if not is_url(path) else RemoteFile(path)
+
+
+def fsize(fd) -> int:
+    return os.fstat(fd).st_size if isinstance(fd, int) else fd.size
+
+
+def close(fd) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
+
+
+def pread(fd, n: int, offset: int) -> bytes:
+    return os.pread(fd, n, offset) if isinstance(fd, int) else fd.pread(n, offset)

@@ -1,0 +1,171 @@
+"""An S3 endpoint on 127.0.0.1 for tests: moto's server mode (as s3fs's own test suite
+uses it) behind a small HTTP proxy that counts what clients fetch and can answer the next
+k data reads with 503, as S3 does when it sheds load. Nothing reaches outside the machine.
+
+The proxy measures bytes independently of the code under test: the body bytes of every
+GET it relays, per object.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import logging
+import os
+import socket
+import threading
+import urllib.parse
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] not installed (pip install -r requirements-dev.txt)")
+pytest.importorskip("s3fs", reason="s3fs not installed (pip install metaseq-oneload[remote])")
+
+_SLOW = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ServiceUnavailable</Code>'
+         b"<Message>Service is unable to handle the request.</Message></Error>")
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+class _Counters:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self.lock:
+            self.gets = 0
+            self.ranged_gets = 0
+            self.heads = 0
+            self.lists = 0
+            self.body_bytes = 0
+            self.bytes_by_key: dict = {}
+            self.fail_next = 0
+            self.failed = 0
+
+
+class _Proxy(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    upstream: tuple = ("127.0.0.1", 0)
+    counters: _Counters = None
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _relay(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n) if n else None
+        c = self.counters
+        parsed = urllib.parse.urlsplit(self.path)
+        key = urllib.parse.unquote(parsed.path)
+        ranged = self.command == "GET" and "Range" in self.headers
+        with c.lock:
+            if self.command == "GET":
+                c.gets += 1
+                c.ranged_gets += ranged
+                c.lists += "list-type" in parsed.query or (key.count("/") <= 1 and not ranged)
+            elif self.command == "HEAD":
+                c.heads += 1
+            fail = ranged and c.fail_next > 0
+            if fail:
+                c.fail_next -= 1
+                c.failed += 1
+        if fail:
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(_SLOW)))
+            self.end_headers()
+            self.wfile.write(_SLOW)
+            return
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        if self.command == "GET":
+            with c.lock:
+                c.body_bytes += len(data)
+                c.bytes_by_key[key] = c.bytes_by_key.get(key, 0) + len(data)
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in _HOP and k.lower() != "content-length":
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data) if self.command != "HEAD" else resp.getheader("Content-Length") or 0))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _relay
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Endpoint:
+    """moto on 127.0.0.1 plus the counting, failing proxy in front of it."""
+
+    def __init__(self):
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        self.moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+        self.moto.start()
+        host, port = self.moto.get_host_and_port()
+        self.direct_url = f"http://{host}:{port}"
+        self.counters = _Counters()
+        handler = type("Proxy", (_Proxy,), {"upstream": (host, port), "counters": self.counters})
+        self.proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.proxy.daemon_threads = True
+        self.thread = threading.Thread(target=self.proxy.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.proxy.server_address[1]}"
+
+    def stop(self):
+        self.proxy.shutdown()
+        self.moto.stop()
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.direct_url, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def upload(self, local: Path, bucket: str, prefix: str) -> str:
+        """Put a file or every file of a folder under s3://bucket/prefix; returns that URL."""
+        c = self.client()
+        try:
+            c.create_bucket(Bucket=bucket)
+        except c.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        local = Path(local)
+        files = [local] if local.is_file() else sorted(p for p in local.iterdir() if p.is_file())
+        for p in files:
+            key = f"{prefix}/{p.name}" if local.is_dir() else prefix
+            c.upload_file(str(p), bucket, key)
+        return f"s3://{bucket}/{prefix}"
+
+    def env(self, *, botocore_retries: bool = False) -> dict:
+        """What a process needs to reach this endpoint through the package: credentials, and
+        storage options naming the proxy (botocore's own retries off by default, so that the
+        package's retries are the ones tested)."""
+        s3 = {"endpoint_url": self.url}
+        if not botocore_retries:
+            s3["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}}
+        return {
+            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "ONELOAD_STORAGE_OPTIONS": json.dumps({"s3": s3}),
+            "ONELOAD_REMOTE_BACKOFF": "0.01",
+        }
+
+
+def apply_env(env: dict, monkeypatch: Optional[pytest.MonkeyPatch] = None) -> None:
+    for k, v in env.items():
+        if monkeypatch is not None:
+            monkeypatch.setenv(k, v)
+        else:
+            os.environ[k] = v
