@@ -897,8 +897,8 @@ class RangeReader:
                 if self._pool is None or self._pool_pid != os.getpid():
                     import concurrent.futures
 
-                    self._pool = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=self.read_threads, thread_name_prefix="oneload-read")
+                    self._pool = concurrent.futures.ThreadPoolExecutor(  # the caller is the last reader
+                        max_workers=max(1, self.read_threads - 1), thread_name_prefix="oneload-read")
                     self._pool_pid = os.getpid()
         return self._pool
 
@@ -998,10 +998,12 @@ class RangeReader:
             import concurrent.futures
 
             pool = self._executor()
-            futures = [pool.submit(self._read_piece, path, offset + a, view[a:b]) for a, b in pieces]
-            # every piece finishes before anything is raised: they write into ``out``
-            concurrent.futures.wait(futures)
-            got = [f.result() for f in futures]
+            futures = [pool.submit(self._read_piece, path, offset + a, view[a:b]) for a, b in pieces[1:]]
+            try:  # this thread reads the first piece itself: one hand-off fewer per read
+                first = self._read_piece(path, offset, view[: pieces[0][1]])
+            finally:  # every piece finishes before anything is raised: they write into ``out``
+                concurrent.futures.wait(futures)
+            got = [first] + [f.result() for f in futures]
         for (a, b), n in zip(pieces, got):
             if n < b - a:  # the first short piece is where the file ends
                 raise CheckpointLayoutError(
