@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats"]
+__all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget"]
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 # Errors no retry can cure: a missing object, a refused credential, a bad argument.
@@ -132,8 +132,12 @@ def stats() -> dict:
 
 
 def reset_stats() -> None:
-    """Zero the counters and forget cached stats and header bytes (the next read asks the store)."""
+    """Zero the counters."""
     _STATS.reset()
+
+
+def forget() -> None:
+    """Drop cached stats and header bytes: the next read asks the store."""
     _CACHE.clear()
     with _STAT_LOCK:
         _STAT_CACHE.clear()

@@ -14,8 +14,11 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -32,18 +35,18 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgra
 class _Counters:
     def __init__(self):
         self.lock = threading.Lock()
-        self.reset()
+        self.zero()
 
-    def reset(self):
-        with self.lock:
-            self.gets = 0
-            self.ranged_gets = 0
-            self.heads = 0
-            self.lists = 0
-            self.body_bytes = 0
-            self.bytes_by_key: dict = {}
-            self.fail_next = 0
-            self.failed = 0
+    def zero(self):
+        """(holding the lock, or before any thread runs)"""
+        self.gets = 0
+        self.ranged_gets = 0
+        self.heads = 0
+        self.lists = 0
+        self.body_bytes = 0
+        self.bytes_by_key: dict = {}
+        self.fail_next = 0
+        self.failed = 0
 
 
 class _Proxy(http.server.BaseHTTPRequestHandler):
@@ -60,6 +63,8 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
         c = self.counters
         parsed = urllib.parse.urlsplit(self.path)
         key = urllib.parse.unquote(parsed.path)
+        if key.startswith("/__proxy__/"):
+            return _control(self, parsed)
         ranged = self.command == "GET" and "Range" in self.headers
         with c.lock:
             if self.command == "GET":
@@ -107,26 +112,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _control(handler: _Proxy, parsed) -> None:
+    """/__proxy__/counters (GET: JSON), /__proxy__/reset, /__proxy__/fail?n=K."""
+    c = handler.counters
+    q = urllib.parse.parse_qs(parsed.query)
+    with c.lock:
+        if parsed.path.endswith("/reset"):
+            c.zero()
+        elif parsed.path.endswith("/fail"):
+            c.fail_next = int(q["n"][0])
+        body = json.dumps({k: v for k, v in vars(c).items() if k != "lock"}).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def serve() -> None:
+    """(a process of its own) moto and the proxy; prints the two ports, serves until killed."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    handler = type("Proxy", (_Proxy,), {"upstream": (host, port), "counters": _Counters()})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    proxy.daemon_threads = True
+    print(json.dumps({"moto": port, "proxy": proxy.server_address[1]}), flush=True)
+    proxy.serve_forever()
+
+
+class Counters:
+    """What the proxy has counted since the last reset (fetched from it)."""
+
+    def __init__(self, d: dict):
+        self.__dict__.update(d)
+
+
 class S3Endpoint:
-    """moto on 127.0.0.1 plus the counting, failing proxy in front of it."""
+    """moto on 127.0.0.1 plus the counting, failing proxy in front of it, in a process of
+    their own (so that what the test process allocates and fetches is the package's alone)."""
 
     def __init__(self):
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-        self.moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-        self.moto.start()
-        host, port = self.moto.get_host_and_port()
-        self.direct_url = f"http://{host}:{port}"
-        self.counters = _Counters()
-        handler = type("Proxy", (_Proxy,), {"upstream": (host, port), "counters": self.counters})
-        self.proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.proxy.daemon_threads = True
-        self.thread = threading.Thread(target=self.proxy.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.proxy.server_address[1]}"
+        self.proc = subprocess.Popen([sys.executable, "-c", "from tests.s3_server import serve; serve()"],
+                                     cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the S3 test server did not start (exit code {self.proc.wait()})")
+        ports = json.loads(line)
+        self.direct_url = f"http://127.0.0.1:{ports['moto']}"
+        self.url = f"http://127.0.0.1:{ports['proxy']}"
+
+    def _ctl(self, what: str) -> dict:
+        with urllib.request.urlopen(f"{self.url}/__proxy__/{what}", timeout=30) as r:
+            return json.loads(r.read())
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(self._ctl("counters"))
+
+    def reset(self) -> None:
+        self._ctl("reset")
+
+    def fail_next(self, n: int) -> None:
+        """Answer the next ``n`` ranged GETs with 503 ServiceUnavailable."""
+        self._ctl(f"fail?n={n}")
 
     def stop(self):
-        self.proxy.shutdown()
-        self.moto.stop()
+        self.proc.kill()
+        self.proc.wait()
 
     def client(self):
         import boto3
@@ -154,7 +209,7 @@ class S3Endpoint:
         package's retries are the ones tested)."""
         s3 = {"endpoint_url": self.url}
         if not botocore_retries:
-            s3["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}}
+            s3["config_kwargs"] = {"retries": {"max_attempts": 0, "mode": "standard"}}
         return {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
