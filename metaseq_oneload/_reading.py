@@ -4,8 +4,9 @@ Three ways in, from cheapest to dearest:
 
 * :func:`read_header` unpickles a file onto the ``meta`` device: every tensor comes back
   with its dtype, shape and the byte offset of its storage in the file, and no tensor data
-  is read. This is all that layout discovery needs, so inspecting a 2 GB shard costs about
-  what a 2 MB one does.
+  is read (one pass of the C unpickler, :mod:`._unpickle`; the optimizer state's tensors
+  only once used). This is all that layout discovery needs, so inspecting a 2 GB shard
+  costs about what a 2 MB one does.
 * :class:`RangeReader` reads byte ranges straight into destination tensors with
   ``os.preadv``: torch's zip archives store every storage uncompressed in one record, whose
   place :func:`read_header` finds in the archive itself and checks against the pickle, so a
@@ -43,6 +44,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from . import _storage
+from . import _unpickle
 from ._errors import CheckpointLayoutError, UnsafeCheckpointError
 
 __all__ = [
@@ -640,7 +642,29 @@ def range_readable(path: str) -> bool:
         return False
 
 
-def _torch_load(path: str, *, trust_pickle: bool, **kwargs) -> Any:
+def _torch_load(path: str, *, trust_pickle: bool, archive: Optional[tuple] = None, **kwargs) -> Any:
+    """``torch.load`` through the allowlist, its errors as ours. Every unpickling of a file
+    passes here, once (tests and bench/discovery_scale.py count the calls).
+
+    ``archive``, (ZipIndex, pickle bytes) of a zip: the file's header onto ``meta``, checked
+    against the archive: in one pass of the C unpickler where the pickle is a plain
+    torch.save one (:mod:`._unpickle`), else by torch's own loader and :func:`_check_zip`,
+    whose messages say what is wrong.
+    """
+    if archive is None:
+        return _load_with_torch(path, trust_pickle=trust_pickle, **kwargs)
+    obj, problem = (None, None) if trust_pickle else _unpickle.header(path, *archive)
+    if obj is not None:
+        return obj
+    obj = _load_with_torch(path, trust_pickle=trust_pickle, **kwargs)
+    _check_zip(path, obj, *archive)
+    if problem:  # the one pass found what torch's loader and the checks above let through
+        raise CheckpointLayoutError(f"{path}: {problem}; torch.load would read wrong bytes or refuse it. The "
+                                    "file is damaged or was edited: copy it again from its source.")
+    return obj
+
+
+def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
     kind = _file_kind(path)
     src: Any = path
     if kind == "legacy" or _storage.is_url(path):
@@ -705,10 +729,9 @@ def _cached_header(key: tuple, trust_pickle: bool) -> Any:
             data_pkl = _record_bytes(fd, pkl, path)
         finally:
             _storage.close(fd)
-    obj = _torch_load(path, trust_pickle=trust_pickle, map_location="meta")
-    if index is not None:
-        _check_zip(path, obj, index, data_pkl)
-    else:  # legacy: read whole by torch.load, which checks its own sizes; the shapes still here
+    obj = _torch_load(path, trust_pickle=trust_pickle, map_location="meta",
+                      archive=None if index is None else (index, data_pkl))
+    if index is None:  # legacy: read whole by torch.load, which checks its own sizes; the shapes still here
         _check_bounds(path, list(_walk_tensors(obj)))
     return obj
 
@@ -722,6 +745,11 @@ def read_header(path: str, *, trust_pickle: bool = False) -> Any:
     size, and every tensor's shape, stride and offset lie inside its storage. Each meta
     tensor's storage remembers where its record's bytes start in the file, as found through
     the record's own local header (:func:`storage_byte_offset`).
+
+    A top-level ``last_optimizer_state`` comes back as a mapping that builds its meta
+    tensors when it is first used (its records and bounds are checked here, like the
+    rest): discovery never pays for the optimizer state, the optimizer paths read it as
+    before. Copies and pickles of it are plain dicts.
 
     Raises:
         CheckpointLayoutError: the file is missing, empty, truncated or not a checkpoint; a

@@ -1,0 +1,373 @@
+"""A header read in one pass: a torch zip checkpoint's pickle unpickled onto ``meta`` by the
+C unpickler, under exactly the allowlist of torch's ``weights_only`` loader.
+
+``torch.load(map_location="meta", weights_only=True)`` runs torch's ``weights_only``
+unpickler, a Python loop of about 2.5 us an opcode, over the whole pickle (optimizer state
+and FSDP metadata included), and the header read then listed the pickle's storages in a
+second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
+
+* ``find_class`` returns what torch's loader returns for the name (torch's own allowlist,
+  the process's ``torch.serialization`` safe globals, our ``safe_globals()``) and refuses
+  every other name before anything of it is imported or called. torch's tensor rebuild
+  functions are replaced by builders of small records (:class:`_Stub`), and every
+  persistent id must be a storage torch.save writes; anything else the pass does not know
+  (a tensor subclass, sparse or quantized tensors, tensors with state) hands the file to
+  torch's own loader. The C unpickler calls nothing but these objects and their methods
+  (``__setstate__``, ``append``, ``__setitem__`` on objects they made), as torch's does.
+* the checks of a header read run on the records: every storage has its record, of its
+  size; every tensor lies inside its storage.
+* meta tensors are built for everything but the top-level ``last_optimizer_state``, which
+  becomes a mapping that builds its tensors on first use (:class:`_Deferred`): discovery
+  never touches it, the optimizer paths (``_optim``) do.
+
+A file this pass cannot vouch for (refused, unknown to it, or failing a check) returns
+None: torch's loader and ``_reading._check_zip`` then read it and say what is wrong, in the
+words they always used.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import argparse
+import functools
+import io
+import pickle
+import threading
+from typing import Any, Optional
+
+import torch
+
+_OPTIMIZER_KEY = "last_optimizer_state"
+_LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.dtype))
+
+
+class _Refused(Exception):
+    """A global outside the allowlist: the pass stops before the name is looked up."""
+
+
+class _NotPlain(Exception):
+    """Something this pass does not build; torch's loader reads the file instead."""
+
+
+class _Storage:
+    """One storage the pickle names (its persistent id), checked against its record; the
+    meta storage is made when a tensor on it is first built."""
+
+    __slots__ = ("key", "dtype", "numel", "file_offset", "_untyped")
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+        self.file_offset: Optional[int] = None
+        self._untyped = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def untyped(self) -> torch.UntypedStorage:
+        if self._untyped is None:
+            s = torch.UntypedStorage(self.nbytes, device="meta")
+            # what storage_byte_offset reads: the record's data, found through its local header
+            s._oneload_offset = self.file_offset
+            self._untyped = s
+        return self._untyped
+
+    def __repr__(self) -> str:
+        return f"<storage data/{self.key}: {self.numel} {self.dtype}>"
+
+
+class _Stub:
+    """A tensor as the pickle describes it (torch's ``_rebuild_tensor_v2`` arguments)."""
+
+    __slots__ = ("storage", "offset", "size", "stride", "requires_grad", "param", "wrapped", "_tensor")
+
+    def __init__(self, storage, offset, size, stride, requires_grad, param):
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+        self.requires_grad, self.param = requires_grad, param
+        self.wrapped = False  # the data of a parameter stub: not itself in the object
+        self._tensor = None
+
+    def tensor(self) -> torch.Tensor:
+        """The meta tensor torch's loader builds for it (one per stub, shared like torch's)."""
+        if self._tensor is None:
+            t = torch.empty((0,), dtype=self.storage.dtype, device="meta").set_(
+                self.storage.untyped(), self.offset, self.size, self.stride)
+            if self.param:
+                t = torch.nn.Parameter(t, requires_grad=self.requires_grad)
+            elif self.requires_grad:
+                t.requires_grad_(True)
+            self._tensor = t
+        return self._tensor
+
+    def __repr__(self) -> str:
+        return f"<tensor {self.size} on {self.storage!r}, not built>"
+
+
+def _ints(xs: Any) -> bool:
+    return type(xs) is tuple and all(type(x) is int for x in xs)
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` (C) under torch's ``weights_only`` allowlist, tensors as stubs."""
+
+    def __init__(self, data: bytes, allowed: dict):
+        super().__init__(io.BytesIO(data), encoding="utf-8")  # torch.load's encoding
+        self.allowed = allowed
+        self.storages: dict = {}  # key -> _Storage, in first-use order
+        self.stubs: list = []
+        wo = torch._weights_only_unpickler
+        self.blocked = wo._blocklisted_modules
+        u = torch._utils
+        self.builders = {id(u._rebuild_tensor_v2): self._tensor_v2, id(u._rebuild_tensor): self._tensor,
+                         id(u._rebuild_parameter): self._parameter,
+                         id(u._rebuild_parameter_with_state): self._parameter_with_state}
+        self.others = {id(f) for f in wo._tensor_rebuild_functions()} | {
+            id(torch._tensor._rebuild_from_type_v2), id(torch.nn.Parameter), id(torch.Tensor)}
+
+    def find_class(self, module: str, name: str) -> Any:
+        # torch's loader reads names as protocol 2 writes them (Python 2 spellings mapped)
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        full = f"{module}.{name}"
+        if module in self.blocked or full not in self.allowed:
+            raise _Refused(full)
+        obj = self.allowed[full]
+        build = self.builders.get(id(obj))
+        if build is not None:
+            return build
+        if id(obj) in self.others:
+            raise _NotPlain(full)
+        return obj
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
+            raise _NotPlain(f"persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int:
+            raise _NotPlain(f"persistent id {pid!r}")
+        key = f"{key}"  # torch reads record data/{key}
+        s = self.storages.get(key)
+        if s is None:
+            s = self.storages[key] = _Storage(key, dtype, numel)
+        elif (s.dtype, s.numel) != (dtype, numel):
+            raise _NotPlain(f"storage {key} named twice, differently")
+        return s
+
+    def _stub(self, storage, offset, size, stride, requires_grad, metadata=None) -> _Stub:
+        if (type(storage) is not _Storage or type(offset) is not int or not _ints(size) or not _ints(stride)
+                or len(size) != len(stride) or any(n < 0 for n in size) or type(requires_grad) is not bool
+                or metadata or (requires_grad and not (storage.dtype.is_floating_point or storage.dtype.is_complex))):
+            raise _NotPlain("a tensor torch.save does not write")
+        stub = _Stub(storage, offset, size, stride, requires_grad, False)
+        self.stubs.append(stub)
+        return stub
+
+    def _tensor_v2(self, storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
+        return self._stub(storage, storage_offset, size, stride, requires_grad, metadata)
+
+    def _tensor(self, storage, storage_offset, size, stride):
+        return self._stub(storage, storage_offset, size, stride, False)
+
+    def _parameter(self, data, requires_grad, backward_hooks):
+        if type(data) is not _Stub or type(requires_grad) is not bool or (
+                requires_grad and not (data.storage.dtype.is_floating_point or data.storage.dtype.is_complex)):
+            raise _NotPlain("a parameter torch.save does not write")
+        data.wrapped = True
+        stub = _Stub(data.storage, data.offset, data.size, data.stride, requires_grad, True)
+        self.stubs.append(stub)
+        return stub
+
+    def _parameter_with_state(self, data, requires_grad, backward_hooks, state):
+        if state:
+            raise _NotPlain("a parameter with state")
+        return self._parameter(data, requires_grad, backward_hooks)
+
+
+def _allowed() -> dict:
+    """Every name torch's ``weights_only`` loader accepts inside ``_reading._allowlisted()``:
+    its own allowlist first, then the process's safe globals and ours."""
+    return _allowed_with(frozenset(torch._weights_only_unpickler._marked_safe_globals_set))
+
+
+@functools.lru_cache(maxsize=8)
+def _allowed_with(process: frozenset) -> dict:
+    from ._reading import safe_globals
+
+    wo = torch._weights_only_unpickler
+    allowed = {f"{g.__module__}.{g.__qualname__}": g for g in safe_globals()}
+    allowed.update(wo._get_user_allowed_globals())  # the process's, ``process`` as torch reads it
+    allowed.update(wo._get_allowed_globals())
+    return allowed
+
+
+_IN_PROGRESS = object()
+
+
+def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
+    """``obj`` with every stub in dicts, lists, tuples and Namespaces (what the old header
+    walk entered) replaced by its meta tensor (``build``) or only counted (``reached``);
+    dicts, lists and Namespaces change in place, tuples are rebuilt."""
+    t = type(obj)
+    if t is _Stub:
+        reached.add(id(obj))
+        return obj.tensor() if build else obj
+    if t is _Storage:
+        raise _NotPlain("a storage outside a tensor")
+    if isinstance(obj, (dict, list, argparse.Namespace)):
+        if id(obj) in seen:
+            return obj
+        seen[id(obj)] = obj
+        d = vars(obj) if isinstance(obj, argparse.Namespace) else obj
+        items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
+        for k, v in items:
+            if type(v) in _LEAVES:
+                continue
+            new = _resolve(v, build, seen, reached)
+            if new is not v:
+                d[k] = new  # a value replaced, no key added: iterating on is safe
+        return obj
+    if isinstance(obj, tuple):
+        for v in obj:
+            if type(v) not in _LEAVES:
+                break
+        else:
+            return obj  # the common tuple: a shape
+        done = seen.get(id(obj))
+        if done is _IN_PROGRESS:
+            raise _NotPlain("a tuple that holds itself")
+        if done is not None:
+            return done
+        seen[id(obj)] = _IN_PROGRESS
+        new = tuple(v if type(v) in _LEAVES else _resolve(v, build, seen, reached) for v in obj)
+        if all(a is b for a, b in zip(new, obj)):
+            new = obj
+        elif t is not tuple:  # a named tuple or torch.Size holding a tensor: not rebuilt here
+            raise _NotPlain(f"a tensor inside a {t.__name__}")
+        seen[id(obj)] = new
+        return new
+    return obj  # not entered (omegaconf containers, numpy, sets): a stub in one is found below
+
+
+class _Deferred(dict):
+    """A header's ``last_optimizer_state``: a dict whose meta tensors are built when it is
+    first read (discovery and a weights-only load never read it). Its keys are there from
+    the start; every way to its values (items, values, [], get, iteration, ==, copies,
+    pickles) builds them first, and copies and pickles of it are plain dicts."""
+
+    def __init__(self, raw: dict):
+        super().__init__(raw)
+        self._built = False
+        self._lock = threading.Lock()
+
+    def _build(self) -> "_Deferred":
+        if not self._built:
+            with self._lock:
+                if not self._built:
+                    _resolve(self, True, {}, set())
+                    self._built = True
+        return self
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self._build(), key)
+
+    def get(self, key, default=None):
+        return dict.get(self._build(), key, default)
+
+    def __iter__(self):  # also what dict(), {**d} and update() go through, a dict subclass's __iter__ being ours
+        return dict.__iter__(self._build())
+
+    def keys(self):
+        return dict.keys(self._build())
+
+    def values(self):
+        return dict.values(self._build())
+
+    def items(self):
+        return dict.items(self._build())
+
+    def pop(self, *args):
+        return dict.pop(self._build(), *args)
+
+    def popitem(self):
+        return dict.popitem(self._build())
+
+    def setdefault(self, key, default=None):
+        return dict.setdefault(self._build(), key, default)
+
+    def __eq__(self, other):
+        return dict.__eq__(self._build(), other)
+
+    def __ne__(self, other):
+        return dict.__ne__(self._build(), other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self._build())
+
+    def copy(self) -> dict:
+        return dict(dict.items(self._build()))
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo) -> dict:
+        import copy
+
+        return copy.deepcopy(self.copy(), memo)
+
+    def __reduce_ex__(self, protocol):
+        return (dict, (self.copy(),))
+
+
+def header(path: str, index: Any, data: bytes) -> tuple:
+    """(local) (the header, None) for a plain torch.save pickle whose checks pass, each
+    storage carrying ``_oneload_offset``; (None, what is wrong) when a check fails; (None,
+    None) when this pass cannot read the file (then torch's loader does)."""
+    try:
+        u = _HeaderUnpickler(data, _allowed())
+        obj = u.load()
+    except Exception:  # noqa: BLE001 - refused, or not plain: torch's loader reads it and says why
+        return None, None
+    for s in u.storages.values():
+        rec = index.records.get("data/" + s.key)
+        if rec is None:
+            return None, f"the pickle refers to record {index.folder}/data/{s.key}, which the archive does not hold"
+        if rec.size != s.nbytes:
+            return None, (f"storage record {index.folder}/data/{s.key} holds {rec.size} bytes, the header "
+                          f"declares {s.nbytes}")
+    for stub in u.stubs:
+        if stub.wrapped or 0 in stub.size:
+            continue
+        if stub.offset < 0 or any(st < 0 for st in stub.stride):
+            return None, "a tensor with negative strides or offsets"
+        last = stub.offset + sum((n - 1) * st for n, st in zip(stub.size, stub.stride))
+        if last >= stub.storage.numel:
+            return None, f"a tensor reaches element {last + 1} of a storage of {stub.storage.numel} elements"
+    in_place = index.why_not_range_readable is None
+    for s in u.storages.values():
+        s.file_offset = index.records["data/" + s.key].data_offset if in_place else None
+    try:
+        seen: dict = {}
+        reached: set = set()
+        deferred = None
+        if type(obj) is dict and isinstance(obj.get(_OPTIMIZER_KEY), dict):
+            deferred = obj[_OPTIMIZER_KEY]
+            seen[id(obj)] = obj
+            for k, v in obj.items():
+                if v is not deferred and type(v) not in _LEAVES:
+                    new = _resolve(v, True, seen, reached)
+                    if new is not v:
+                        obj[k] = new
+            _resolve(deferred, False, seen, reached)  # counted; built on first use
+            obj[_OPTIMIZER_KEY] = _Deferred(deferred)
+        else:
+            obj = _resolve(obj, True, seen, reached)
+    except (_NotPlain, RecursionError):
+        return None, None
+    if len(reached) != sum(not s.wrapped for s in u.stubs):
+        return None, None  # a tensor inside a container this pass does not enter: torch's loader builds it
+    return obj, None
+

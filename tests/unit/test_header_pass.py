@@ -1,0 +1,222 @@
+"""A header read is one pass of the C unpickler (metaseq_oneload._unpickle) that builds what
+the layout needs: the model's meta tensors, metadata, cfg. The optimizer state's tensors are
+built only when something uses them, yet its records and bounds are checked with the rest;
+every tensor is what torch's own meta load gives, at the offset the archive holds; what the
+allowlist refuses is refused before its module is even imported (issue 15)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import pickle
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import metaseq_oneload as mo
+from metaseq_oneload import CheckpointLayoutError, UnsafeCheckpointError
+from metaseq_oneload import _reading, _unpickle
+from metaseq_oneload._reading import read_header, storage_byte_offset
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+PARAMS = 200  # optimizer entries: 3 tensors each, 600 against the model's 3
+
+
+def _with_optimizer(path: Path) -> dict:
+    g = torch.Generator().manual_seed(0)
+    obj = {
+        "model": {f"decoder.w{i}": torch.randn(4, 3, generator=g) for i in range(3)},
+        "cfg": {"model": argparse.Namespace(arch="x"), "common": {"model_parallel_size": 1}},
+        "last_optimizer_state": {
+            "state": {i: {"step": torch.tensor(5.0), "exp_avg": torch.randn(7, generator=g),
+                          "exp_avg_sq": torch.rand(7, generator=g)} for i in range(PARAMS)},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98), "params": list(range(PARAMS))}],
+        },
+    }
+    torch.save(obj, path)
+    return obj
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list:
+    """Every meta tensor a header read builds (one per distinct tensor of the pickle)."""
+    built: list = []
+    real = _unpickle._Stub.tensor
+
+    def counting(self):
+        if self._tensor is None:
+            built.append(self)
+        return real(self)
+
+    monkeypatch.setattr(_unpickle._Stub, "tensor", counting)
+    _reading._cached_header.cache_clear()
+    yield built
+    _reading._cached_header.cache_clear()
+
+
+def _bytes_at(path: Path, t: torch.Tensor) -> torch.Tensor:
+    with open(path, "rb") as f:
+        f.seek(storage_byte_offset(t))
+        raw = f.read(t.numel() * t.element_size())
+    return torch.frombuffer(bytearray(raw), dtype=t.dtype).reshape(t.shape)
+
+
+def test_a_header_read_builds_the_model_not_the_optimizer(tmp_path, builds):
+    path = tmp_path / "checkpoint_1.pt"
+    saved = _with_optimizer(path)
+    header = read_header(str(path))
+    assert len(builds) == 3  # the model's three, none of the optimizer's 600
+    assert sorted(header["model"]) == sorted(saved["model"])
+    assert header["cfg"]["model"].arch == "x"
+    los = header["last_optimizer_state"]
+    # what discovery asks of it builds nothing
+    assert "state" in los and len(los) == 2 and len(builds) == 3
+    layout = mo.inspect(path)
+    assert layout.kind == "singleton" and len(builds) == 3
+    # the optimizer paths read it as a mapping of meta tensors, built on first use, all at once
+    entry = los["state"][7]
+    assert len(builds) == 3 + 3 * PARAMS
+    for k, v in saved["last_optimizer_state"]["state"][7].items():
+        assert entry[k].device.type == "meta" and entry[k].dtype == v.dtype and entry[k].shape == v.shape
+        assert torch.equal(_bytes_at(path, entry[k]), v), k
+    assert los["param_groups"] == saved["last_optimizer_state"]["param_groups"]
+    # copies and pickles are plain dicts of the same tensors
+    assert type(copy.deepcopy(los)) is dict and type(copy.copy(los)) is dict
+    again = pickle.loads(pickle.dumps(los))
+    assert type(again) is dict and again["param_groups"] == los["param_groups"]
+    for name, t in saved["model"].items():
+        assert torch.equal(_bytes_at(path, header["model"][name]), t), name
+
+
+def test_the_optimizer_records_are_checked_though_not_built(tmp_path, builds):
+    """Laziness skips building, never checking: a wrong-sized optimizer record fails the
+    header read itself, naming the tensor."""
+    good = tmp_path / "good.pt"
+    _with_optimizer(good)
+    with zipfile.ZipFile(good) as z:
+        members = [(i.filename, z.read(i.filename)) for i in z.infolist()]
+    # the last storage torch.save wrote belongs to the optimizer's last entry
+    last = max((n for n, _ in members if "/data/" in n), key=lambda n: int(n.rsplit("/", 1)[1]))
+    bad = tmp_path / "set" / "bad.pt"
+    bad.parent.mkdir()
+    with zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, data + bytes(4) if name == last else data)
+    with pytest.raises(CheckpointLayoutError, match=rf"bad\.pt: tensor last_optimizer_state\.state\.{PARAMS - 1}\.\w+: "
+                                                     r"its storage record \S+ holds \d+ bytes"):
+        read_header(str(bad))
+    with pytest.raises(CheckpointLayoutError, match="holds"):
+        mo.inspect(bad)
+
+
+def _walk(obj, path=()):
+    if isinstance(obj, torch.Tensor):
+        yield ".".join(path), obj
+        return
+    if isinstance(obj, argparse.Namespace):
+        obj = vars(obj)
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(
+        obj, (list, tuple)) else ()
+    for k, v in items:
+        yield from _walk(v, path + (str(k),))
+
+
+ZIPS = sorted(p for p in FIXTURES.rglob("*.pt") if p.read_bytes()[:4] == b"PK\x03\x04")
+
+
+@pytest.mark.skipif(not ZIPS, reason="tests/fixtures holds no zip checkpoints")
+def test_every_corpus_header_is_what_torchs_meta_load_gives():
+    """For every zip checkpoint of the corpus, the one pass and torch's loader (with the checks
+    it always had) agree on every tensor: name, dtype, shape, stride, storage offset, type,
+    requires_grad, storage size and the verified byte offset."""
+    fast = 0
+    for p in ZIPS:
+        key = _reading._stat_key(str(p))
+        index = _reading._zip_index(key)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            data = _reading._record_bytes(fd, index.records["data.pkl"], str(p))
+        finally:
+            os.close(fd)
+        ours, problem = _unpickle.header(str(p), index, data)
+        assert problem is None, (p, problem)
+        if ours is None:  # a tensor subclass or one with attributes: torch's loader reads it
+            continue
+        fast += 1
+        theirs = _reading._load_with_torch(str(p), trust_pickle=False, map_location="meta")
+        _reading._check_zip(str(p), theirs, index, data)
+        a, b = list(_walk(ours)), list(_walk(theirs))
+        assert [n for n, _ in a] == [n for n, _ in b], p
+        for (n, x), (_, y) in zip(a, b):
+            assert (type(x), x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad,
+                    x.untyped_storage().nbytes()) == (type(y), y.dtype, y.shape, y.stride(), y.storage_offset(),
+                                                      y.requires_grad, y.untyped_storage().nbytes()), (p, n)
+            assert storage_byte_offset(x) == storage_byte_offset(y), (p, n)
+    assert fast >= len(ZIPS) - 2, (fast, len(ZIPS))
+
+
+def test_a_tensor_with_attributes_is_read_by_torchs_loader(tmp_path):
+    t = torch.arange(6.0)
+    t.note = "kept"  # torch.save writes _rebuild_from_type_v2, which the one pass hands on
+    path = tmp_path / "attr.pt"
+    torch.save({"model": {"w": t}}, path)
+    index = _reading._zip_index(_reading._stat_key(str(path)))
+    with zipfile.ZipFile(path) as z:
+        data = z.read(f"{index.folder}/data.pkl")
+    assert _unpickle.header(str(path), index, data) == (None, None)
+    w = read_header(str(path))["model"]["w"]
+    assert w.device.type == "meta" and w.note == "kept"
+    assert torch.equal(_bytes_at(path, w), t)
+
+
+def test_a_refused_global_is_never_imported(tmp_path, monkeypatch):
+    """The allowlist is checked on the name: the module a refused global names is not
+    imported (importing it would run its top level), by the one pass or the fallback."""
+    marker = tmp_path / "imported"
+    (tmp_path / "oneload_evil_mod.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "def payload():\n    return 'ran'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import oneload_evil_mod
+
+    class Carrier:
+        def __reduce__(self):
+            return (oneload_evil_mod.payload, ())
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "extra_state": Carrier()}, path)
+    del sys.modules["oneload_evil_mod"]
+    marker.unlink()
+    index = _reading._zip_index(_reading._stat_key(str(path)))
+    with zipfile.ZipFile(path) as z:
+        data = z.read(f"{index.folder}/data.pkl")
+    assert _unpickle.header(str(path), index, data) == (None, None)
+    with pytest.raises(UnsafeCheckpointError, match=r"refused to unpickle: the file needs oneload_evil_mod\.payload"):
+        read_header(str(path))
+    assert not marker.exists() and "oneload_evil_mod" not in sys.modules
+
+
+def test_the_deferred_optimizer_state_is_a_dict_every_way_in(tmp_path, builds):
+    """Code that walks a header with isinstance(x, dict) and any dict idiom sees the built
+    tensors, never a placeholder."""
+    path = tmp_path / "checkpoint_1.pt"
+    saved = _with_optimizer(path)
+    ways = [lambda d: dict(d), lambda d: {**d}, lambda d: list(d.values()), lambda d: list(d.items()),
+            lambda d: d["state"], lambda d: d.get("state"), lambda d: [d[k] for k in d], lambda d: d == {},
+            lambda d: repr(d), lambda d: copy.deepcopy(d), lambda d: pickle.dumps(d),
+            lambda d: {}.update(d)]
+    for way in ways:
+        _reading._cached_header.cache_clear()
+        builds.clear()
+        los = read_header(str(path))["last_optimizer_state"]
+        assert isinstance(los, dict) and len(builds) == 3
+        way(los)
+        assert len(builds) == 3 + 3 * PARAMS
+        assert all(type(t) is torch.Tensor for _, t in _walk(dict(los)))
+    assert len(list(_walk(dict(los)))) == 3 * PARAMS
+    want = saved["last_optimizer_state"]["state"][PARAMS - 1]["exp_avg_sq"]
+    assert torch.equal(_bytes_at(path, los["state"][PARAMS - 1]["exp_avg_sq"]), want)
