@@ -27,6 +27,7 @@ import argparse
 import bisect
 import collections
 import contextlib
+import copy
 import ctypes
 import functools
 import io
@@ -764,15 +765,49 @@ def read_header(path: str, *, trust_pickle: bool = False) -> Any:
     return _cached_header(key, bool(trust_pickle))
 
 
-def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True) -> Any:
+def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True, exclude: tuple = ()) -> Any:
     """(any rank, local) ``torch.load`` of the whole file onto CPU, memory-mapped where the
-    format allows (pages are read only when touched), through the same allowlist."""
+    format allows (pages are read only when touched), through the same allowlist.
+    ``exclude``: top-level keys left out (an object store's file then never fetches them)."""
     # The header's checks first: a memory-mapped torch.load takes each record's bytes
     # without comparing its size to the storage's.
-    read_header(path, trust_pickle=trust_pickle)
+    header = read_header(path, trust_pickle=trust_pickle)
+    if _storage.is_url(path) and range_readable(path):
+        fetched = _fetched(path, header, exclude)
+        if fetched is not None:
+            return fetched
     # A compressed or big-endian zip cannot be memory-mapped; torch reads it whole.
     mmap = mmap and (_file_kind(path) != "zip" or range_readable(path))
-    return _torch_load(path, trust_pickle=trust_pickle, map_location="cpu", mmap=mmap)
+    obj = _torch_load(path, trust_pickle=trust_pickle, map_location="cpu", mmap=mmap)
+    if exclude and isinstance(obj, dict):
+        obj = {k: v for k, v in obj.items() if k not in exclude}
+    return obj
+
+
+def _fetched(url: str, header: Any, exclude: tuple) -> Any:
+    """An object's file as ``torch.load`` gives it, from its (checked) header: each storage
+    outside ``exclude`` fetched once by ranged reads into fresh CPU memory, everything else
+    copied; None where a storage's place is unknown (then the file is read whole)."""
+    src = {k: v for k, v in header.items() if k not in exclude} if isinstance(header, dict) else header
+    memo: dict = {}
+    storages: dict = {}
+    for _, t in _walk_tensors(src):
+        if not isinstance(t, torch.Tensor):
+            return None
+        s = t.untyped_storage()
+        offset = getattr(s, "_oneload_offset", None)
+        if offset is None:
+            return None
+        cpu = storages.get(id(s))
+        if cpu is None:
+            buf = torch.empty(s.nbytes(), dtype=torch.uint8)
+            got = _storage.read_into(url, int(offset), _writable_buffer(buf)) if s.nbytes() else 0
+            if got < s.nbytes():
+                raise CheckpointLayoutError(f"{url}: truncated: a tensor's bytes end at {offset + got}, its record "
+                                            f"at {offset + s.nbytes()}. Copy the file again from its source.")
+            cpu = storages[id(s)] = buf.untyped_storage()
+        memo[id(t)] = torch.empty(0, dtype=t.dtype).set_(cpu, t.storage_offset(), t.shape, t.stride())
+    return copy.deepcopy(src, memo)
 
 
 def storage_byte_offset(meta_tensor: torch.Tensor) -> Optional[int]:

@@ -275,6 +275,27 @@ def isdir(path: str) -> bool:
         return False
 
 
+def isfile(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isfile(path)
+    try:
+        return not _stat_url(path).isdir
+    except FileNotFoundError:
+        return False
+
+
+def readable_url(url: str) -> bool:
+    """Whether this process can read ``url``: fsspec and the protocol's implementation are
+    installed (no request is made). Libraries keep URLs of other protocols (manifold://)."""
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(url.split("://", 1)[0].lower())
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
 def getsize(path: str) -> int:
     return os.path.getsize(path) if not is_url(path) else _stat_url(path).size
 

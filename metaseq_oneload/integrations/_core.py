@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, T
 
 import torch
 
-from .. import _reading
+from .. import _reading, _storage
 from .._dist import Group, settle
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
 from .._hydra import OneloadConfig, checkpoint_path, fill_settings, to_config
@@ -313,8 +313,9 @@ def _allow_checkpoint_globals(patches: _Patches) -> None:
 
 
 def _remote(path: Any) -> bool:
-    """Paths the engine cannot read locally (s3://, manifold://, ...) stay with metaseq."""
-    return isinstance(path, str) and "://" in path
+    """URLs the engine cannot read here stay with the library: a protocol fsspec does not
+    know (manifold://), or no fsspec installed. s3://, gs://, ... go through the engine."""
+    return isinstance(path, str) and "://" in path and not _storage.readable_url(path)
 
 
 _RANK_SUFFIX = re.compile(r"(-model_part-\d+)?(-shard\d+)?\.pt$")
@@ -334,7 +335,7 @@ def _locate(path: Any, suffix: str = ""):
     candidates = []
     if suffix and path.endswith(".pt") and not path.endswith(suffix + ".pt"):
         suffixed = path[:-3] + suffix + ".pt"
-        if os.path.lexists(suffixed):
+        if _storage.lexists(suffixed):
             candidates.append(suffixed)
     candidates.append(path)
     if path.endswith(".pt"):
@@ -400,12 +401,12 @@ def _rest_file(layout, dp_group: Any = None, mp_group: Any = None) -> str:
 def _named_part(path: Any, layout) -> Optional[int]:
     """The model part of the set that ``path`` names when it is one existing file of it
     (a link to one included), else None (a folder, an un-suffixed name)."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+    if not isinstance(path, (str, os.PathLike)) or not _storage.isfile(os.fspath(path)):
         return None
-    real = os.path.realpath(path)
+    real = _storage.realpath(os.fspath(path))
     for row in layout.files:
         for f in row:
-            if os.path.realpath(f.path) == real:
+            if _storage.realpath(f.path) == real:
                 return f.part
     return None
 
@@ -482,7 +483,9 @@ def _read_rest(path: str, *, skip_optimizer: bool, cast: Optional[Callable[[dict
     the safe reader; memory-mapped, so the weights it skips cost nothing. The optimizer
     state stays mapped until :func:`_place_optimizer_state` decides what of it to keep.
     ``cast``: the library's own treatment of the saved cfg, applied in place."""
-    obj = _reading.load_object(path, mmap=True)
+    # the weights (and a skipped optimizer state) are left out: from an object store they
+    # are then never fetched
+    obj = _reading.load_object(path, mmap=True, exclude=("model",) + ((OPT_KEY,) if skip_optimizer else ()))
     if not isinstance(obj, dict):
         raise CheckpointLayoutError(f"{path}: expected a metaseq checkpoint (a dict), found {type(obj).__name__}.")
     rest = {k: (v if k == OPT_KEY else _materialize(v)) for k, v in obj.items()

@@ -42,7 +42,7 @@ import sys
 import threading
 from typing import Any, Mapping, Optional, Tuple
 
-from .. import _reading
+from .. import _reading, _storage
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError
 from .._hydra import ENV, split_argv
 from .._optim import carry_extra_state, rest_source, same_weights_layout
@@ -226,7 +226,7 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     if ctx is not None and ctx.layout is not None:
         dp, mp = _CONTEXT.groups
         return _engine_state(ctx.layout, ctx, dp, mp, arg_overrides)
-    if os.path.isfile(path):
+    if _storage.isfile(os.fspath(path)):
         return _as_saved(path, arg_overrides)
     layout = _locate(path)
     dp, mp = _groups()
@@ -345,7 +345,7 @@ def _load_checkpoint(cfg, trainer, **passthrough_args):
     the whole set, whatever file of it the name becomes."""
     original = _original("fairseq.checkpoint_utils.load_checkpoint")
     finetune = cfg.finetune_from_model
-    if finetune is None or _remote(finetune) or os.path.isfile(finetune):
+    if finetune is None or _remote(finetune) or _storage.isfile(finetune):
         return original(cfg, trainer, **passthrough_args)
     try:
         layout = _locate(finetune)

@@ -44,7 +44,7 @@ import sys
 import threading
 from typing import Any, Mapping, Optional, Tuple
 
-from .. import _reading
+from .. import _reading, _storage
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError
 from .._hydra import ENV, CheckpointSettingsError, register_configs, split_argv
 from .._optim import carry_extra_state, rest_source, same_weights_layout
@@ -357,7 +357,7 @@ def _load_checkpoint(cfg, trainer, **passthrough_args):
     try:
         if cfg.restore_file == "checkpoint_last.pt" and _exists(os.path.join(cfg.save_dir, "checkpoint_last.pt")):
             cfg.finetune_from_model = None  # a restart resumes from checkpoint_last, as metaseq intends
-        elif not os.path.exists(finetune):
+        elif not _storage.exists(finetune):
             dp, mp = _groups()
             cfg.finetune_from_model = _rest_file(_locate(finetune), dp, mp)
         return original(cfg, trainer, **passthrough_args)

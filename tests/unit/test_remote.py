@@ -218,3 +218,42 @@ def test_without_fsspec_the_package_imports_and_a_url_says_what_to_install(tmp_p
     assert out.returncode == 0, out.stderr
     assert "ERR s3://bucket/ck/checkpoint_1.pt: reading checkpoints from URLs needs fsspec" in out.stdout
     assert "pip install metaseq-oneload[remote]" in out.stdout
+
+
+def test_the_library_patches_take_urls_through_the_engine(remote, tmp_path):
+    """What metaseq's and fairseq's patches call for an s3:// path (they no longer hand it
+    back to the library): the set located from any name, the rest of a file (cfg, optimizer
+    state) read without fetching the weights."""
+    from metaseq_oneload.integrations import _core
+
+    ep, urls = remote
+    assert not _core._remote(urls["fsdp_dp3"] + "/checkpoint_2.pt")
+    assert _core._remote("manifold://bucket/checkpoint_2.pt")  # no fsspec protocol: the library's own
+    layout = _core._locate(urls["fsdp_dp3"] + "/checkpoint_2.pt", "-model_part-0-shard1")
+    assert (layout.shards_per_part, layout.flat) == (3, True)
+    assert _core._named_part(urls["mp2_ddp"] + "/checkpoint_2-model_part-1.pt", mo.inspect(urls["mp2_ddp"])) == 1
+
+    g = torch.Generator().manual_seed(2)
+    model = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}
+    opt = {"state": {0: {"exp_avg": torch.randn(512, 1024, generator=g), "step": torch.tensor(3.0)}},
+           "param_groups": [{"lr": 0.1, "params": [0]}]}
+    torch.save({"model": model, "cfg": {"model": {"arch": "x"}}, "extra_state": {"epoch": 2},
+                "last_optimizer_state": opt, "optimizer_history": [{"num_updates": 7}]}, tmp_path / "ck.pt")
+    url = ep.upload(tmp_path / "ck.pt", "ckpt", "rest/checkpoint_1.pt")
+    size = os.path.getsize(tmp_path / "ck.pt")
+    for skip in (True, False):
+        _storage.forget()
+        ep.reset()
+        got = _core._read_rest(url, skip_optimizer=skip)
+        want = _core._read_rest(str(tmp_path / "ck.pt"), skip_optimizer=skip)
+        assert set(got) == set(want) and "model" not in got
+        assert got["extra_state"] == want["extra_state"] and got["optimizer_history"] == want["optimizer_history"]
+        fetched = ep.counters.bytes_by_key["/ckpt/rest/checkpoint_1.pt"]
+        if skip:
+            assert fetched < size / 20, (fetched, size)
+        else:
+            a, b = got["last_optimizer_state"]["state"][0], want["last_optimizer_state"]["state"][0]
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["step"], b["step"])
+            assert a["exp_avg"].device.type == "cpu"
+            assert fetched < size / 2, (fetched, size)  # the optimizer state, not the weights
+        print(f"\n_read_rest(skip_optimizer={skip}): {fetched} of {size} bytes fetched")
