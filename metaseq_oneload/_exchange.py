@@ -143,7 +143,11 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
             continue
         size = itemsizes[name]
         per = max(1, chunk_bytes // size)
-        for lo0, hi0 in _merged([(a, b) for a, b, _ in items]):
+        # Cut where any rank's wants start or stop: within a piece the same ranks want every
+        # byte, so disjoint wants stay with their owners and nothing moves.
+        cuts = sorted({x for a, b, _ in items for x in (a, b)})
+        pieces = [(x, y) for x, y in zip(cuts, cuts[1:]) if any(a <= x and y <= b for a, b, _ in items)]
+        for lo0, hi0 in pieces:
             for lo in range(lo0, hi0, per):
                 hi = min(hi0, lo + per)
                 spans = {}

@@ -5,7 +5,7 @@ the bytes that cross the network. Nothing but metadata is read.
 The plan is computed by the engine's own steps, run without a process group: the same
 strategy choice (``_loading._choose``), the same per-part targets (``plan_part``), the same
 per-rank wants as :func:`metaseq_oneload.load_state_dict` builds them, the same broadcast
-schedule, and the same fill code (``_loading._fill``) against a reader that counts the
+schedule or read-once exchange plan (``_exchange.plan_exchange``), and the same fill code (``_loading._fill``) against a reader that counts the
 bytes it is asked for instead of reading them (outputs on the meta device). So the bytes a
 plan states are the bytes a load of the same call reads; tests/distributed/test_load_plan.py
 holds the two equal on real gloo ranks.
@@ -20,7 +20,8 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._loading import _choose, _fill, _Options, _resolve_aliases, _schedule, state_dict_wants
+from ._exchange import _in_place, overlap, plan_exchange
+from ._loading import _choose, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
 
@@ -38,8 +39,8 @@ class RankPlan:
     reads: int  # read calls (contiguous byte ranges; one per stored run it touches)
     bytes_read: int  # from storage
     bytes_out: int  # what is written into its output tensors (LoadReport.bytes_out; no flat padding)
-    bytes_received: int  # from other ranks (broadcast)
-    bytes_sent: int  # to other ranks (the reader, when broadcasting)
+    bytes_received: int  # from other ranks (broadcast, parallel)
+    bytes_sent: int  # to other ranks (the reader when broadcasting; every reader with parallel)
     peak_extra_bytes: int  # CPU memory beyond its output, by docs/loading.md's formulas
 
     @property
@@ -183,6 +184,20 @@ def plan_load(
         if chosen == "broadcast":
             ranks += _broadcast_part(m, model_parallel, targets, per_dp, outs, flat, opts)
             continue
+        if chosen in ("own_shard", "reshard", "parallel") and dp_size > 1:
+            # As the engine decides: read once and exchange where ranks want the same bytes.
+            ranges = [_want_ranges(wants) for wants in per_dp]
+            sizes = {n: _itemsize(t.dtype) for n, t in targets.items()}
+            wanted, union = overlap(ranges, sizes)
+            if chosen == "parallel" or wanted > 1.05 * union:
+                if chosen != "parallel" and strategy == "auto":
+                    chosen, reason = "parallel", (
+                        f"the ranks want {wanted / max(union, 1):.2f}x the bytes there are (the same bytes on several "
+                        "ranks): each byte read once, split among the ranks by bytes, and sent on")
+                elif chosen != "parallel":
+                    reason += "; bytes wanted by several ranks are read once and sent on"
+                ranks += _parallel_part(m, model_parallel, targets, per_dp, outs, ranges, sizes, opts)
+                continue
         for d, wants in enumerate(per_dp):
             reader = _CountingReader(opts.chunk_bytes)
             for w in wants:
@@ -195,6 +210,37 @@ def plan_load(
                     saved_shards=layout.shards_per_part, saved_flat=layout.flat, world=world,
                     model_parallel=model_parallel, flat=flat, strategy=chosen, reason=reason,
                     model_bytes=layout.total_bytes, ranks=tuple(ranks))
+
+
+def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, ranges, sizes, opts: _Options) -> list:
+    """The ranks of model-parallel part ``m`` when they read once between them and exchange."""
+    dp_size = len(per_dp)
+    plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, ranges,
+                         list(range(dp_size)), ["node"] * dp_size, opts.bucket_bytes // dp_size)
+    readers = [_CountingReader(opts.chunk_bytes) for _ in range(dp_size)]
+    received, sent, extra = [0] * dp_size, [0] * dp_size, [0] * dp_size
+    meta = torch.device("meta")
+    for rnd in plan.rounds:
+        staged = [0] * dp_size
+        for c in rnd:
+            t = targets[c.name]
+            _fill(t, torch.empty(c.hi - c.lo, dtype=t.dtype, device="meta"), c.lo, readers[c.owner])
+            for r, lo, hi in c.spans:
+                by_name = [w for w in per_dp[r] if w.name == c.name]
+                if _in_place(by_name, lo, hi, t.dtype, meta) is None:
+                    staged[r] += (hi - lo) * sizes[c.name]
+            for msg in c.messages:
+                nbytes = (msg.hi - msg.lo) * sizes[c.name]
+                received[msg.dst] += nbytes
+                sent[msg.src] += nbytes
+        extra = [max(a, b) for a, b in zip(extra, staged)]
+    out = []
+    for d in range(dp_size):
+        rd = readers[d]
+        extra_d = max(extra[d], _staging_bytes(targets, per_dp[d], opts.chunk_bytes))
+        out.append(RankPlan(d * mp_size + m, m, d, tuple(rd.files), rd.reads, rd.bytes_read, outs[d],
+                            received[d], sent[d], extra_d))
+    return out
 
 
 def _broadcast_part(m: int, mp_size: int, targets, per_dp, outs, flat: bool, opts: _Options) -> list:

@@ -26,3 +26,13 @@ def test_corpus_onto_any_world(tmp_path, world, mp_size):
     assert {r[0] for r in rows} == set(ids)
     assert all(r[4] for r in rows)  # verify=True passed everywhere
     assert all(len(r) == len(rows) for r in results)
+    # Every rank holds its whole part (flat=False): the part's bytes are read once between
+    # the ranks that share it, not once per rank (the dtype of storage and output agree).
+    w = world // mp_size
+    for i, row in enumerate(rows):
+        if not row[1]:
+            read = sum(r[i][3] for r in results)
+            held = sum(r[i][5] for r in results) / w
+            assert read <= 1.05 * held, (row[0], world, mp_size, read, held)
+            if w > 1:
+                assert {r[i][2] for r in results} == {"parallel"}, row

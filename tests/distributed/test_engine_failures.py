@@ -47,7 +47,7 @@ def test_tied_name_wanted_by_an_untied_module_arrives_by_every_strategy(tmp_path
 def test_an_empty_folder_is_a_rank_that_cannot_see_the_files(tmp_path):
     from tests.distributed.workers import blind_empty_folder
 
-    assert run_ranks(2, blind_empty_folder, str(tmp_path), tmp_path=tmp_path, timeout=60) == ["broadcast", "broadcast"]
+    assert run_ranks(2, blind_empty_folder, str(tmp_path), tmp_path=tmp_path, timeout=60) == ["parallel", "parallel"]
 
 
 # --------------------------------------------------------------------------- arrival, lost ranks, big messages

@@ -1,7 +1,7 @@
 """`from_pretrained` on real gloo ranks: a tiny T5 written by save_pretrained (one
 safetensors file or a sharded index set) loads as full weights on every rank, as FSDP2
 shards (each rank holds only its shard; gathered, they are the saved weights; the sharded
-model computes the same logits), onto ranks that cannot see the folder (broadcast), and
+model computes the same logits), onto ranks that cannot see the folder (the readers send it), and
 through the documented FSDP1 recipe. Mismatched checkpoints raise on every rank."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def load_all_ways(rank, world, cases):
         oracle = torch.load(f"{folder}.oracle.pt")
         path = "/nonexistent/oneload/t5" if rank in blind_ranks else folder
         model, report = from_pretrained(T5ForConditionalGeneration, path, return_report=True, bucket_mb=0.01)
-        out[name] = {"unwrapped": {**_compare(model, oracle), "strategy": report.strategy}}
+        out[name] = {"unwrapped": {**_compare(model, oracle), "strategy": report.strategy, "read": report.bytes_read}}
         model, report = from_pretrained(T5ForConditionalGeneration, path, fsdp=fully_shard_blocks(),
                                         return_report=True, bucket_mb=0.01)
         out[name]["fsdp2"] = {**_compare(model, oracle), "strategy": report.strategy, "read": report.bytes_read}
@@ -82,9 +82,9 @@ def loaded(tmp_path_factory):
     return {name: [r[name] for r in results] for name, _, _ in cases}
 
 
-def _check(per_rank, strategy):
+def _check(per_rank, unwrapped, fsdp2):
     for rank, r in enumerate(per_rank):
-        for how in ("unwrapped", "fsdp2"):
+        for how, strategy in (("unwrapped", unwrapped), ("fsdp2", fsdp2)):
             got = r[how]
             assert got["weights"] == 0.0 and got["tied"], (rank, how, got)
             assert got["logits"] <= 1e-5, (rank, how, got)
@@ -93,9 +93,13 @@ def _check(per_rank, strategy):
 
 @pytest.mark.parametrize("case", ["single", "sharded"])
 def test_full_weights_on_every_rank(loaded, case):
-    _check(loaded[case], "reshard")
+    # Every rank wants the whole model: read once between them and exchanged.
+    _check(loaded[case], "parallel", "reshard")
     for r in loaded[case]:
         assert r["unwrapped"]["local_numel"] == r["unwrapped"]["total_numel"]
+    # Full weights on every rank, the bytes read once among them (fp32), not once per rank.
+    total = loaded[case][0]["unwrapped"]["total_numel"]
+    assert sum(r["unwrapped"]["read"] for r in loaded[case]) == 4 * total
 
 
 @pytest.mark.parametrize("case", ["single", "sharded"])
@@ -108,8 +112,8 @@ def test_fsdp2_ranks_hold_and_read_only_their_shard(loaded, case):
     assert sum(r["fsdp2"]["read"] for r in per_rank) == 4 * total
 
 
-def test_ranks_without_the_files_receive_by_broadcast(loaded):
-    _check(loaded["blind"], "broadcast")
+def test_ranks_without_the_files_receive_from_the_readers(loaded):
+    _check(loaded["blind"], "parallel", "parallel")
     assert loaded["blind"][1]["fsdp2"]["read"] == 0 and loaded["blind"][0]["fsdp2"]["read"] > 0
 
 

@@ -15,7 +15,7 @@ pytestmark = needs_fixtures
     ("fsdp_dp3", 3, "auto", (), "reshard"),
     ("mp2_dp2", 2, "auto", (), "reshard"),
     ("singleton", 2, "broadcast", (), "broadcast"),
-    ("shard_only", 3, "auto", (1, 2), "broadcast"),
+    ("shard_only", 3, "auto", (1, 2), "parallel"),
 ])
 def test_fsdp2_each_rank_gets_only_its_shard(tmp_path, name, world, strategy, blind, expected):
     results = run_ranks(world, load_into_fsdp2, name, strategy, blind, tmp_path=tmp_path, timeout=120)

@@ -12,17 +12,19 @@ pytestmark = needs_fixtures
 
 # (set, model-parallel size, flat, strategy)
 WORLD2 = [
-    ("fsdp_dp3", 1, False, "auto"),      # 3 shards -> 2 ranks: reshard
+    ("fsdp_dp3", 1, False, "auto"),      # 3 shards -> 2 ranks, full weights: parallel
     ("fsdp_dp3", 1, True, "auto"),       # flat 3 -> 2
     ("shard_only", 1, True, "auto"),     # 2 shards onto 2 ranks: own_shard
-    ("mp2_dp2", 1, False, "auto"),       # model-parallel 2 -> 1
+    ("mp2_dp2", 1, False, "auto"),       # model-parallel 2 -> 1, read once between the ranks
     ("mp2_ddp", 2, False, "auto"),       # model-parallel 2 onto 2 parts
     ("singleton", 1, False, "broadcast"),
     ("fsdp_dp3", 1, True, "broadcast"),  # flat pieces, point to point
 ]
 WORLD3 = [
     ("fsdp_dp3", 1, True, "auto"),       # own_shard
-    ("singleton", 1, False, "auto"),     # every rank reads the one file
+    ("singleton", 1, False, "auto"),     # every rank wants the one file: parallel
+    ("mp2_dp2", 1, False, "reshard"),    # explicit: shared bytes still read once
+    ("fsdp_dp3", 1, True, "parallel"),   # disjoint flat shards: each reads its own
 ]
 
 

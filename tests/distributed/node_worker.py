@@ -1,0 +1,66 @@
+"""One rank of the two-node simulation (tests/distributed/test_two_nodes.py), started by
+torchrun: two agents on this machine, ``--nnodes 2 --nproc-per-node 2`` over a c10d
+rendezvous on 127.0.0.1, so each sees its own ``GROUP_RANK``. Every rank loads every
+scenario in the one process group and writes what it measured as JSON.
+
+    node_worker.py OUT_DIR ROOT
+
+``ROOT/node{GROUP_RANK}`` is the folder this rank's node sees (a copy of the checkpoints,
+or missing for a node that sees none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise KeyError("rchar")
+
+
+def main() -> None:
+    out_dir, root = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo")
+    import metaseq_oneload as mo
+    from tests.distributed.workers import target_metadata
+
+    node = int(os.environ["GROUP_RANK"])
+    rank = dist.get_rank()
+    rows = []
+    # (scenario, folder this node sees, checkpoint file in it, flat)
+    scenarios = [
+        ("own copies", f"node{node}", "big/synth.pt", False),
+        ("own copies, fsdp shards", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", False),
+        ("own copies, flat", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", True),
+        ("node 1 sees none", "node0" if node == 0 else "nowhere", "big/synth.pt", False),
+        ("node 1 sees none, flat", "node0" if node == 0 else "nowhere", "singleton/checkpoint_2_consolidated.pt", True),
+    ]
+    for name, folder, rel, flat in scenarios:
+        path = os.path.join(root, folder, rel)
+        md = target_metadata(1) if flat and "singleton" in rel else None
+        dist.barrier()
+        before = _rchar()
+        lc = mo.load_checkpoint(path, flat=flat, shard_metadata=md, verify=False)
+        read = _rchar() - before
+        torch.save(dict(lc.model), os.path.join(out_dir, f"{name.replace(' ', '_').replace(',', '')}-r{rank}.pt"))
+        r = lc.report
+        rows.append({"scenario": name, "strategy": r.strategy, "reason": r.reason, "bytes_read": r.bytes_read,
+                     "rchar": read, "bytes_out": r.bytes_out, "received": r.bytes_received,
+                     "from_other_nodes": r.bytes_from_other_nodes, "sent": r.bytes_sent})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "node": node, "local_rank": int(os.environ["LOCAL_RANK"]), "rows": rows}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Two nodes on one machine: two torchrun agents (``--nnodes 2 --nproc-per-node 2``, a c10d
+rendezvous on 127.0.0.1), each node seeing its own copy of the checkpoints, or one node
+seeing none. Every byte is read from storage once for the cluster, crosses between the
+nodes at most once per node, and every rank ends with exactly the weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench._synth import materialize, metaseq_lm, write_metaseq
+from tests.conftest import FIXTURES, assert_matches_reference, needs_fixtures, reference_weights
+
+pytestmark = needs_fixtures
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agents(out: Path, root: Path, timeout: float = 300) -> list:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", METASEQ_ONELOAD_NODE="")
+    env.pop("METASEQ_ONELOAD_NODE")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"oneload-{port}",
+           "--max-restarts", "0", str(REPO / "tests" / "distributed" / "node_worker.py"), str(out), str(root)]
+    logs = [open(out / f"agent{i}.log", "w") for i in range(2)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=logs[i], stderr=subprocess.STDOUT, cwd=REPO) for i in range(2)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("the two torchrun agents did not finish: a hang\n" + _tail(out))
+    finally:
+        for f in logs:
+            f.close()
+    if any(codes):
+        pytest.fail(f"torchrun agents exited with {codes}\n" + _tail(out))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def _tail(out: Path) -> str:
+    return "\n".join(f"--- agent {i}\n" + (out / f"agent{i}.log").read_text()[-4000:] for i in range(2))
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two-nodes")
+    big = metaseq_lm(layers=2, dim=128, ffn=512, vocab=1024, positions=256)  # ~2.6 MB fp32
+    src = tmp / "src"
+    (src / "big").mkdir(parents=True)
+    write_metaseq(str(src / "big" / "synth"), big)
+    for name in ("singleton", "fsdp_dp3"):
+        shutil.copytree(FIXTURES / name, src / name)
+    for n in (0, 1):  # each node its own copy (copytree keeps the times, as rsync -a does)
+        shutil.copytree(src, tmp / f"node{n}")
+    out = tmp / "out"
+    out.mkdir()
+    results = _agents(out, tmp)
+    return results, out, materialize(big), os.path.getsize(src / "big" / "synth.pt")
+
+
+def _rows(results, scenario):
+    return [next(row for row in res["rows"] if row["scenario"] == scenario) for res in results]
+
+
+def _weights(out, scenario, rank):
+    return torch.load(out / f"{scenario.replace(' ', '_').replace(',', '')}-r{rank}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("scenario", ["own copies", "node 1 sees none"])
+def test_read_once_per_cluster_each_node_receives_once(two_nodes, scenario):
+    results, out, big, size = two_nodes
+    rows = _rows(results, scenario)
+    model_bytes = rows[0]["bytes_out"]  # flat=False: every rank holds the whole model
+    assert {r["strategy"] for r in rows} == {"parallel"}, rows
+    # Storage: read once for the cluster, by the engine's count and by the kernel's (rchar
+    # counts gloo's socket reads too: what arrived over the wire is taken off).
+    assert sum(r["bytes_read"] for r in rows) == model_bytes
+    storage = [r["rchar"] - r["received"] for r in rows]
+    assert sum(storage) <= 1.05 * size + 4 * (64 << 10), storage
+    by_node = {0: [], 1: []}
+    for res, row in zip(results, rows):
+        by_node[res["node"]].append(row)
+    for node, node_rows in by_node.items():
+        # What this node's ranks read plus what crossed into the node covers the model, and
+        # nothing crossed twice: at most what the node did not read itself.
+        local = sum(r["bytes_read"] for r in node_rows)
+        crossed = sum(r["from_other_nodes"] for r in node_rows)
+        assert crossed == model_bytes - local, (node, crossed, local, model_bytes)
+    if scenario == "node 1 sees none":
+        assert all(r["bytes_read"] == 0 for r in by_node[1])
+        assert "cannot see the files" in rows[0]["reason"]
+    else:  # both nodes read their share from their own copy
+        assert all(r["bytes_read"] > 0 for r in rows)
+    for rank in range(4):
+        got = _weights(out, scenario, rank)
+        for k, v in big.items():
+            assert torch.equal(got[k], v), (rank, k)
+
+
+def test_fsdp_shards_and_flat_onto_two_nodes(two_nodes):
+    results, out, _, _ = two_nodes
+    ref = reference_weights()
+    rows = _rows(results, "own copies, fsdp shards")
+    assert sum(r["bytes_read"] for r in rows) == rows[0]["bytes_out"]
+    for rank in range(4):
+        assert_matches_reference(_weights(out, "own copies, fsdp shards", rank), ref)
+    for scenario in ("own copies, flat", "node 1 sees none, flat"):
+        rows = _rows(results, scenario)
+        # Flat shards are disjoint: the bytes read are the bytes held, once.
+        assert sum(r["bytes_read"] for r in rows) <= sum(r["bytes_out"] for r in rows)
+        shards = [_weights(out, scenario, rank) for rank in range(4)]
+        assert {k for s in shards for k in s} == set(shards[0])
+    blind = _rows(results, "node 1 sees none, flat")
+    assert [r["bytes_read"] for r, res in zip(blind, results) if res["node"] == 1] == [0, 0]
