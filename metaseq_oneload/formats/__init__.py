@@ -74,7 +74,13 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
         UnsafeCheckpointError: a header needs a class outside the allowlist.
     """
     path = os.fspath(path)
-    return _as_given(format_of(path).describe(path, trust_pickle=trust_pickle), path)
+    fmt = format_of(path)
+    if _storage.is_url(path) and fmt.name not in ("plain", "metaseq"):
+        raise CheckpointLayoutError(
+            f"{path}: a {fmt.name} checkpoint at a URL, which this version reads from local files only "
+            "(torch.save .pt files and sets are read from URLs). Copy it to a local folder first "
+            "(e.g. `aws s3 cp --recursive`) and pass that folder.")
+    return _as_given(fmt.describe(path, trust_pickle=trust_pickle), path)
 
 
 def _given_folder(path: str) -> str:

@@ -84,3 +84,9 @@ def test_without_fsspec_the_package_imports_and_a_url_says_what_to_install(tmp_p
     assert "pip install metaseq-oneload[remote]" in out.stdout
 
 
+
+
+def test_hugging_face_files_at_urls_are_refused_clearly():
+    with pytest.raises(mo.CheckpointLayoutError, match=r"memory://hf/model\.safetensors: a huggingface checkpoint at a URL, "
+                                                       r"which this version reads from local files only"):
+        mo.inspect("memory://hf/model.safetensors")
