@@ -243,3 +243,12 @@ def test_the_library_patches_take_urls_through_the_engine(remote, tmp_path):
             assert a["exp_avg"].device.type == "cpu"
             assert fetched < size / 2, (fetched, size)  # the optimizer state, not the weights
         print(f"\n_read_rest(skip_optimizer={skip}): {fetched} of {size} bytes fetched")
+
+
+def test_cli_plan_takes_a_url(remote, capsys):
+    ep, urls = remote
+    from metaseq_oneload.cli import main
+
+    assert main(["plan", "--world", "2", urls["fsdp_dp3"] + "/checkpoint_2.pt"]) == 0
+    out = capsys.readouterr().out
+    assert "s3://ckpt/fsdp_dp3/checkpoint_2" in out
