@@ -154,9 +154,11 @@ class S3Endpoint:
     their own (so that what the test process allocates and fetches is the package's alone)."""
 
     def __init__(self):
+        # this process's import path: the server finds moto wherever this process did
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-c", "from tests.s3_server import serve; serve()"],
                                      cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=env)
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the S3 test server did not start (exit code {self.proc.wait()})")
