@@ -154,7 +154,8 @@ def _missing_fsspec(url: str, e: ImportError) -> ImportError:
 
 
 @functools.lru_cache(maxsize=64)
-def _filesystem(protocol: str, options: str, url_example: str):
+def _filesystem(protocol: str, options: str, url_example: str, pid: int):
+    # ``pid``: a forked child (a DataLoader worker) must not use its parent's event loop
     try:
         import fsspec
     except ImportError as e:
@@ -171,7 +172,7 @@ def _fs(url: str) -> tuple:
     """(filesystem, path inside it) for a URL."""
     protocol = url.split("://", 1)[0].lower()
     s = settings()
-    fs = _filesystem(protocol, json.dumps(s.options_for(protocol), sort_keys=True), url)
+    fs = _filesystem(protocol, json.dumps(s.options_for(protocol), sort_keys=True), url, os.getpid())
     return fs, fs._strip_protocol(url)
 
 
@@ -182,14 +183,14 @@ def _url_of(fs, path: str, like: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _limiter(n: int) -> threading.BoundedSemaphore:
+def _limiter(n: int, pid: int) -> threading.BoundedSemaphore:
     return threading.BoundedSemaphore(n)
 
 
 def _request(url: str, what: str, fn, *args, **kwargs):
     """One request, within the concurrency bound, retried with backoff on transient errors."""
     s = settings()
-    sem = _limiter(s.concurrency)
+    sem = _limiter(s.concurrency, os.getpid())
     for attempt in range(s.retries + 1):
         with sem:
             _STATS.add(requests=1, in_flight=1)
@@ -374,10 +375,12 @@ _POOLS: dict = {}
 
 
 def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    # a forked child inherits the pool objects but none of their threads: new ones there
     with _POOL_LOCK:
-        pool = _POOLS.get(n)
+        pool = _POOLS.get((n, os.getpid()))
         if pool is None:
-            pool = _POOLS[n] = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="oneload-get")
+            pool = _POOLS[(n, os.getpid())] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=n, thread_name_prefix="oneload-get")
         return pool
 
 

@@ -252,3 +252,28 @@ def test_cli_plan_takes_a_url(remote, capsys):
     assert main(["plan", "--world", "2", urls["fsdp_dp3"] + "/checkpoint_2.pt"]) == 0
     out = capsys.readouterr().out
     assert "s3://ckpt/fsdp_dp3/checkpoint_2" in out
+
+
+def _load_in_child(url, q):
+    try:
+        sd = mo.load_state_dict(url, no_dist=True)
+        q.put(sorted((k, float(v.double().sum())) for k, v in sd.items()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        q.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_forked_child_reads_urls_on_its_own(remote):
+    """A DataLoader worker (fork) after the parent read: the child must not use the parent's
+    event loop, connection pool or reader threads, which it inherits but cannot run."""
+    import multiprocessing
+
+    ep, urls = remote
+    url = urls["mp2_ddp"]
+    want = sorted((k, float(v.double().sum())) for k, v in mo.load_state_dict(url, no_dist=True).items())
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_load_in_child, args=(url, q))
+    p.start()
+    got = q.get(timeout=120)
+    p.join(30)
+    assert got == want
