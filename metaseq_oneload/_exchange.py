@@ -22,6 +22,8 @@ that do not).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -32,7 +34,9 @@ import torch.distributed as dist
 
 from ._dist import Group
 
-__all__ = ["node_key", "ExchangePlan", "plan_exchange", "exchange_loop", "overlap"]
+logger = logging.getLogger("metaseq_oneload")
+
+__all__ = ["node_key", "ExchangePlan", "plan_exchange", "exchange_loop", "overlap", "chunk_bytes_for"]
 
 
 def node_key() -> str:
@@ -218,11 +222,92 @@ def _in_place(wants: Sequence, lo: int, hi: int, dtype: torch.dtype, device: tor
     return None
 
 
+def chunk_bytes_for(bucket_bytes: int, readers: int) -> int:
+    """A reader's share of a round: a round's chunks, double-buffered in shared memory
+    where ranks of a node share them, come to at most one bucket."""
+    return max(_ALIGN, bucket_bytes // (2 * max(1, readers)))
+
+
+_ALIGN = 64
+
+
+def _shared_slots(plan: ExchangePlan, node_of: Sequence[int], sizes: Mapping[str, int], world: int) -> tuple:
+    """Where each rank keeps, in its shared-memory segment, what it hands to ranks of its
+    own node: ({(round, chunk index, rank): byte offset in that rank's slot}, slot bytes
+    per rank). Every rank computes the same from the plan."""
+    where: dict = {}
+    slot = [0] * world
+    for j, rnd in enumerate(plan.rounds):
+        used = [0] * world
+        for c_i, c in enumerate(rnd):
+            for r in range(world):
+                local = [m for m in c.messages if m.src == r and node_of[m.dst] == node_of[r]]
+                if not local:
+                    continue
+                span = (c.lo, c.hi) if c.owner == r else c.span_of(r)
+                where[(j, c_i, r)] = used[r]
+                used[r] += -(-((span[1] - span[0]) * sizes[c.name]) // _ALIGN) * _ALIGN
+        slot = [max(a, b) for a, b in zip(slot, used)]
+    return where, slot
+
+
+class _Segments:
+    """(all ranks of the group) One shared-memory file per rank that hands bytes to ranks of
+    its node, in ``/dev/shm``, two slots (rounds alternate, so a rank fills the next while
+    its neighbours still copy the last), mapped by those ranks and unlinked once all have
+    mapped it: nothing is left behind, whatever happens after."""
+
+    def __init__(self, dp: Group, slot: Sequence[int], node_of: Sequence[int]):
+        self.maps: dict = {}
+        self.slot = slot
+        me = dp.rank
+        token = dp.broadcast_bytes(os.urandom(8).hex().encode() if me == 0 else None).decode()
+        base = os.environ.get("METASEQ_ONELOAD_SHM_DIR", "/dev/shm")
+        path = os.path.join(base, f"oneload-{token}-{me}")
+        error = None
+        try:
+            if slot[me]:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, 2 * slot[me])
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            error = e
+        ok = not dp.all_max(0 if error is None else 1)
+        try:
+            if ok:
+                for r, n in enumerate(slot):
+                    if n and node_of[r] == node_of[me]:
+                        self.maps[r] = torch.from_file(os.path.join(base, f"oneload-{token}-{r}"), shared=True,
+                                                       size=2 * n, dtype=torch.uint8)
+        except Exception as e:  # noqa: BLE001  (a node whose /dev/shm is not shared: fall back)
+            error = error or e
+        self.ok = not dp.all_max(0 if (error is None and ok) else 1)
+        if slot[me]:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if not self.ok:
+            self.maps.clear()
+            logger.debug("oneload: no shared memory between the ranks of a node (%s); sending through the "
+                         "process group", error)
+
+    def view(self, rank: int, j: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        start = (j % 2) * self.slot[rank] + offset
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.maps[rank][start: start + nbytes].view(dtype)
+
+
 def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequence, reader,
                   fill: Callable, progress, node_of: Sequence[int]) -> tuple:
     """(collective over ``dp``) Carry out ``plan``. Returns (this rank's error or None,
     stats: bytes received, of them from other nodes, bytes sent). Never raises: the caller
-    settles, so every rank leaves after the same collectives."""
+    settles, so every rank leaves after the same collectives.
+
+    Between nodes, pieces travel as point-to-point messages of the process group. Within a
+    node they go through shared memory: the sender holds them in its segment, and its
+    neighbours copy them straight into their tensors once a collective says they are there
+    (the round's check that every read succeeded, and one more before relayed pieces)."""
     me = dp.rank
     by_name: dict = {}
     for w in wants:
@@ -230,6 +315,14 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     stats = {"received": 0, "from_other_nodes": 0, "sent": 0}
     error: Optional[BaseException] = None
     step = dp.step
+    sizes = {n: torch.empty((), dtype=t.dtype).element_size() for n, t in targets.items()}
+    where, slot = _shared_slots(plan, node_of, sizes, dp.size)
+    shared = None
+    if any(slot) and os.environ.get("METASEQ_ONELOAD_SHM", "1") != "0":
+        dp.at(f"{step} (mapping shared memory)")
+        shared = _Segments(dp, slot, node_of)  # a lost rank raises, as every collective here
+        if not shared.ok:
+            shared = None
     for j, rnd in enumerate(plan.rounds):
         dp.at(f"{step} (parallel read, round {j + 1} of {len(plan.rounds)})")
         held: dict = {}  # chunk index -> (lo, tensor holding this rank's span of the chunk)
@@ -240,20 +333,26 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
                     span = (c.lo, c.hi) if c.owner == me else c.span_of(me)
                     if span is None:
                         continue
-                    buf = _in_place(by_name.get(c.name, ()), span[0], span[1], t.dtype, dp.device)
-                    if buf is None:
-                        buf = torch.empty(span[1] - span[0], dtype=t.dtype, device=dp.device)
+                    if shared is not None and (j, c_i, me) in where:
+                        buf = shared.view(me, j, where[(j, c_i, me)], span[1] - span[0], t.dtype)
+                    else:
+                        buf = _in_place(by_name.get(c.name, ()), span[0], span[1], t.dtype, dp.device)
+                        if buf is None:
+                            buf = torch.empty(span[1] - span[0], dtype=t.dtype, device=dp.device)
                     if c.owner == me:
                         fill(t, buf, c.lo, reader)
                     held[c_i] = (span[0], buf)
             except Exception as exc:  # a read or an allocation: said before anyone sends
                 error = exc
-        # Only if every rank read and made room does anyone send.
+        # Only if every rank read and made room does anyone send (and the readers' shared
+        # segments hold this round's bytes once everyone is past this point).
         if dp.all_max(0 if error is None else 1):
             break
-        with dp.guard():
+        with dp.guard():  # a lost rank raises: nothing more can be sent
             for phase in (1, 2):
-                handles, tag = [], 0
+                if phase == 2 and shared is not None and any(m.phase == 2 for c in rnd for m in c.messages):
+                    dp.all_max(0)  # the relays hold what crossed between nodes
+                handles, tag, copies = [], 0, []
                 for c_i, c in enumerate(rnd):
                     for m in c.messages:
                         tag += 1  # the message's place in the round: the same on every rank
@@ -263,13 +362,24 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
                         view = buf[m.lo - lo: m.hi - lo]
                         nbytes = view.numel() * view.element_size()
                         if m.src == me:
-                            handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
                             stats["sent"] += nbytes
                         else:
-                            handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
                             stats["received"] += nbytes
                             if node_of[m.src] != node_of[me]:
                                 stats["from_other_nodes"] += nbytes
+                        if shared is not None and node_of[m.src] == node_of[m.dst]:
+                            if m.dst == me:
+                                src_lo = c.lo if c.owner == m.src else c.span_of(m.src)[0]
+                                src = shared.view(m.src, j, where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
+                                                  m.hi - m.lo, view.dtype)
+                                copies.append((view, src))
+                            continue
+                        if m.src == me:
+                            handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
+                        else:
+                            handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
+                for dst, src in copies:  # while the messages between nodes travel
+                    dst.copy_(src)
                 for h in handles:
                     h.wait()
         try:

@@ -63,7 +63,7 @@ __all__ = [
 
 RESOLVER = "oneload"
 # "off" composes but leaves metaseq's own loading untouched (install() is not called).
-STRATEGIES = ("auto", "own_shard", "reshard", "broadcast", "off")
+STRATEGIES = ("auto", "own_shard", "reshard", "broadcast", "parallel", "off")
 ENV = "METASEQ_ONELOAD"
 # The package Hydra reads the group from; see hydra_plugins/oneload_searchpath.
 CONFIG_MODULE = "metaseq_oneload.hydra_configs"
@@ -80,7 +80,8 @@ class OneloadConfig:
     :func:`metaseq_oneload.install` has patched the loading path."""
 
     # auto: each rank reads its own file when the saved layout matches the world, else the
-    # byte ranges it needs; own_shard / reshard / broadcast force one (own_shard also refuses
+    # byte ranges it needs, and bytes several ranks need are read once and exchanged
+    # (parallel); own_shard / reshard / broadcast / parallel force one (own_shard also refuses
     # a given model-parallel size or backend the files do not have, reshard lets a given
     # checkpoint_shard_count win over the files'); off: leave metaseq's loading alone.
     strategy: str = "auto"

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle
-from ._exchange import exchange_loop, node_key, overlap, plan_exchange
+from ._exchange import chunk_bytes_for, exchange_loop, node_key, overlap, plan_exchange
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
                       cap_list)
 from ._layout import CheckpointLayout, StoredTensor
@@ -796,7 +796,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
                     reason += "; bytes wanted by several ranks are read once and sent on"
                 readers = [i for i, info in enumerate(dp_infos) if info["ok"]]
                 plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, all_ranges,
-                                     readers, [i["node"] for i in dp_infos], opts.bucket_bytes // len(readers))
+                                     readers, [i["node"] for i in dp_infos], chunk_bytes_for(opts.bucket_bytes, len(readers)))
 
         # 3. Read.
         total = sum(w.out.numel() * w.out.element_size() for w in wants)

@@ -20,7 +20,7 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._exchange import _in_place, overlap, plan_exchange
+from ._exchange import _in_place, chunk_bytes_for, overlap, plan_exchange
 from ._loading import _choose, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
@@ -216,7 +216,7 @@ def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, ranges, sizes, o
     """The ranks of model-parallel part ``m`` when they read once between them and exchange."""
     dp_size = len(per_dp)
     plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, ranges,
-                         list(range(dp_size)), ["node"] * dp_size, opts.bucket_bytes // dp_size)
+                         list(range(dp_size)), ["node"] * dp_size, chunk_bytes_for(opts.bucket_bytes, dp_size))
     readers = [_CountingReader(opts.chunk_bytes) for _ in range(dp_size)]
     received, sent, extra = [0] * dp_size, [0] * dp_size, [0] * dp_size
     meta = torch.device("meta")

@@ -360,7 +360,7 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", "-w", type=int, required=True, help="ranks in the job (all of them)")
     p.add_argument("--model-parallel", "-m", type=int, default=1, help="target model-parallel size (default 1)")
     p.add_argument("--flat", action="store_true", help="plan load_state_dict(flat=True): each rank its FSDP shard")
-    p.add_argument("--strategy", choices=("auto", "own_shard", "reshard", "broadcast"), default="auto",
+    p.add_argument("--strategy", choices=("auto", "own_shard", "reshard", "broadcast", "parallel"), default="auto",
                    help="as load_state_dict's (default auto: the plan says which it picks and why)")
     p.add_argument("--bucket-mb", type=float, default=256, help="broadcast bucket (default 256)")
     p.add_argument("--chunk-mb", type=float, default=64, help="staging chunk (default 64)")

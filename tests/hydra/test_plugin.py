@@ -14,7 +14,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 from hydra_plugins.oneload_searchpath.oneload_searchpath import SEARCH_PATH, OneloadSearchPathPlugin
 from tests.conftest import REPO
 
-OPTIONS = ["auto", "broadcast", "off", "own_shard", "reshard"]
+OPTIONS = ["auto", "broadcast", "off", "own_shard", "parallel", "reshard"]
 
 
 def test_discovery():

@@ -16,7 +16,7 @@ import metaseq_oneload
 from metaseq_oneload._hydra import OneloadConfig, OneloadSchema, compose_oneload, to_config
 from tests.conftest import REPO
 
-ALLOWED = r"expected one of \[auto, own_shard, reshard, broadcast, off\]"
+ALLOWED = r"expected one of \[auto, own_shard, reshard, broadcast, parallel, off\]"
 
 
 def whole(e: BaseException) -> str:

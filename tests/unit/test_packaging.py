@@ -119,7 +119,7 @@ def test_pure_python_parts_on_other_versions(tmp_path, minor):
     assert "--no-progress" in out["export-hf --help"]
     assert "OneloadSearchPathPlugin" in out["plugins"]
     assert "strategy='broadcast'" in out["composed"] and "bucket_mb=64" in out["composed"]
-    assert "Invalid value 'bogus', expected one of [auto, own_shard, reshard, broadcast, off]" in out["refused"]
+    assert "Invalid value 'bogus', expected one of [auto, own_shard, reshard, broadcast, parallel, off]" in out["refused"]
     assert out["argv"] == [["--lr", "1"], ["+oneload=auto", "oneload.verify=true"]]
     assert out["heavy"] == []
 
