@@ -1,13 +1,15 @@
 """Discovery at OPT-175B's file count: 8 model parts x 124 FSDP shards = 992 files.
 
-    .venv/bin/python bench/discovery_scale.py [--parts 8] [--shards 124] [--world 4]
+    .venv/bin/python bench/discovery_scale.py [--parts 8] [--shards 124] [--world 4] [--optimizer]
 
 Writes a small metaseq model (8 heads) with the package's own writers: a singleton from
-``bench/_synth.py``, then ``metaseq_oneload.convert`` to parts x shards flat files, which
-leaves its index (``ckpt.oneload-index.json``) beside them. Then, each in a fresh process
-(imports before the clock starts):
+``bench/_synth.py`` (with ``--optimizer``, with Adam state, which ``convert`` carries into
+every shard, as a training run's files hold it), then ``metaseq_oneload.convert`` to parts x
+shards flat files, which leaves its index (``ckpt.oneload-index.json``) beside them. Then,
+each in a fresh process (imports before the clock starts):
 
 * ``inspect`` with the index, and with the index moved away (every header unpickled);
+* every header read in turn in one thread (``read_header``): milliseconds a file;
 * a collective load on ``--world`` gloo ranks (``flat=False``: every rank needs every
   file), with and without the index: per rank, how many files were unpickled and how many
   headers' identities checked, and the seconds from the call to the first byte of weights.
@@ -31,6 +33,13 @@ _INSPECT = (
     "import time, torch, numpy, metaseq_oneload as o, metaseq_oneload.formats; "
     "t = time.perf_counter(); lay = o.inspect({path!r}); dt = time.perf_counter() - t; "
     "print(dt, len(lay.all_files), lay.index is not None)"
+)
+
+_HEADERS = (  # the first read warms what a process does once (lazy imports, allowlists), then the caches go
+    "import glob, time, torch, numpy; from metaseq_oneload import _reading; "
+    "ps = sorted(glob.glob({folder!r} + '/*.pt')); _reading.read_header(ps[0]); "
+    "_reading._cached_header.cache_clear(); _reading._zip_index.cache_clear(); "
+    "t = time.perf_counter(); [_reading.read_header(p) for p in ps]; print((time.perf_counter() - t) / len(ps) * 1e3)"
 )
 
 _LOAD = r'''
@@ -93,6 +102,7 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=8)
     ap.add_argument("--shards", type=int, default=124)
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--optimizer", action="store_true", help="files carry Adam state, like a training run's")
     ap.add_argument("--keep", help="write the set here and keep it")
     a = ap.parse_args()
 
@@ -103,12 +113,13 @@ def main() -> None:
     try:
         single = os.path.join(root, "single", "ckpt")
         if not os.path.exists(single + ".pt"):
-            write_metaseq(single, metaseq_lm(layers=2, dim=64, ffn=256, vocab=512, positions=64))
+            write_metaseq(single, metaseq_lm(layers=2, dim=64, ffn=256, vocab=512, positions=64), optimizer=a.optimizer)
         dst = os.path.join(root, "scale", "ckpt")
         index = dst + ".oneload-index.json"
         if not os.path.exists(index):
             report = mo.convert(single + ".pt", dst, model_parallel=a.parts, shards=a.shards, flat=True, progress=False)
-            print(f"wrote {len(report.files)} files in {report.seconds:.1f} s", file=sys.stderr)
+            print(f"wrote {len(report.files)} files in {report.seconds:.1f} s (optimizer state {report.optimizer})",
+                  file=sys.stderr)
         folder = os.path.dirname(dst)
         rows = []
         t, n, used = _inspect(folder)
@@ -118,6 +129,9 @@ def main() -> None:
         try:
             t, n, used = _inspect(folder)
             rows.append(("inspect, headers", f"{t:.2f} s", n, str(n)))
+            out = subprocess.run([sys.executable, "-c", _HEADERS.format(folder=folder)], capture_output=True, text=True,
+                                 check=True)
+            rows.append(("header reads, 1 thread", f"{float(out.stdout):.2f} ms a file", n, str(n)))
             no_index = _load(folder, a.world)
         finally:
             os.replace(aside, index)
@@ -129,7 +143,7 @@ def main() -> None:
             rows.append((f"{label}, W={a.world}", f"first byte {first:.2f} s",
                          f"unpickled {sum(unp)} ({'/'.join(map(str, unp))})",
                          f"identities {sum(ids)} ({'/'.join(map(str, ids))})"))
-        print(f"{a.parts} x {a.shards} = {a.parts * a.shards} files")
+        print(f"{a.parts} x {a.shards} = {a.parts * a.shards} files{', with optimizer state' * a.optimizer}")
         for r in rows:
             print("  " + " | ".join(str(x).ljust(22) for x in r))
     finally:
