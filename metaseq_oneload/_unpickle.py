@@ -12,17 +12,19 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
   functions are replaced by builders of small records (:class:`_Stub`), and every
   persistent id must be a storage torch.save writes; anything else the pass does not know
   (a tensor subclass, sparse or quantized tensors, tensors with state) hands the file to
-  torch's own loader. The C unpickler calls nothing but these objects and their methods
-  (``__setstate__``, ``append``, ``__setitem__`` on objects they made), as torch's does.
+  torch's own loader. The C unpickler calls nothing but these objects, and methods of
+  what they made: ``__setstate__`` (BUILD, as torch's loader does for allowlisted types),
+  ``append``/``extend`` and ``__setitem__`` (which torch's loader allows on lists and dicts
+  only; here also on an omegaconf container or numpy array, still only allowlisted code).
 * the checks of a header read run on the records: every storage has its record, of its
   size; every tensor lies inside its storage.
 * meta tensors are built for everything but the top-level ``last_optimizer_state``, which
   becomes a mapping that builds its tensors on first use (:class:`_Deferred`): discovery
   never touches it, the optimizer paths (``_optim``) do.
 
-A file this pass cannot vouch for (refused, unknown to it, or failing a check) returns
-None: torch's loader and ``_reading._check_zip`` then read it and say what is wrong, in the
-words they always used.
+A file this pass cannot vouch for (refused, unknown to it, or failing a check) gets no
+header from it: torch's loader and ``_reading._check_zip`` then read it and say what is
+wrong, in the words they always used.
 """
 
 from __future__ import annotations
@@ -367,7 +369,7 @@ def header(path: str, index: Any, data: bytes) -> tuple:
             obj = _resolve(obj, True, seen, reached)
     except (_NotPlain, RecursionError):
         return None, None
-    if len(reached) != sum(not s.wrapped for s in u.stubs):
+    if not {id(s) for s in u.stubs if not s.wrapped} <= reached:
         return None, None  # a tensor inside a container this pass does not enter: torch's loader builds it
     return obj, None
 
