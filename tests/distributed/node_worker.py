@@ -40,6 +40,7 @@ def main() -> None:
     # (scenario, folder this node sees, checkpoint file in it, flat)
     scenarios = [
         ("own copies", f"node{node}", "big/synth.pt", False),
+        ("own copies, no shared memory", f"node{node}", "big/synth.pt", False),
         ("own copies, fsdp shards", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", False),
         ("own copies, flat", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", True),
         ("node 1 sees none", "node0" if node == 0 else "nowhere", "big/synth.pt", False),
@@ -48,6 +49,8 @@ def main() -> None:
     for name, folder, rel, flat in scenarios:
         path = os.path.join(root, folder, rel)
         md = target_metadata(1) if flat and "singleton" in rel else None
+        # Ranks of a node share through /dev/shm; without it, through the process group.
+        os.environ["METASEQ_ONELOAD_SHM"] = "0" if "no shared memory" in name else "1"
         dist.barrier()
         before = _rchar()
         lc = mo.load_checkpoint(path, flat=flat, shard_metadata=md, verify=False)
