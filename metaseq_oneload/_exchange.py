@@ -318,7 +318,8 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     sizes = {n: torch.empty((), dtype=t.dtype).element_size() for n, t in targets.items()}
     where, slot = _shared_slots(plan, node_of, sizes, dp.size)
     shared = None
-    if any(slot) and os.environ.get("METASEQ_ONELOAD_SHM", "1") != "0":
+    # Shared memory is host memory: for a CUDA group (NCCL) the pieces stay on the device.
+    if any(slot) and dp.device.type == "cpu" and os.environ.get("METASEQ_ONELOAD_SHM", "1") != "0":
         dp.at(f"{step} (mapping shared memory)")
         shared = _Segments(dp, slot, node_of)  # a lost rank raises, as every collective here
         if not shared.ok:
