@@ -16,7 +16,8 @@ the layout with the other ranks, picks a strategy, and fills the wants:
     Peak extra = output + at most one staging chunk (``chunk_mb``, only for dtype/device
     conversion or a row-parallel weight whose model-parallel split changes).
 ``broadcast``
-    For ranks that cannot see the files, or on request: data-parallel rank 0 of each
+    On request (``auto`` sends ranks that cannot see the files to ``parallel``, which reads
+    on every rank that can): data-parallel rank 0 of each
     model-parallel part reads (byte ranges, as above) and broadcasts buckets of at most
     ``bucket_mb``; receivers copy what they need out of each bucket (or, for ``flat=False``,
     receive straight into their output tensors).
@@ -1084,7 +1085,7 @@ def load_state_dict(
             True: this rank's fairscale FSDP local shard for W ranks (``flat_param_*`` keys and
             buffers), with the matching metadata in the result's ``shard_metadata`` attribute;
             what ``FullyShardedDataParallel.load_local_state_dict`` expects.
-        strategy: "auto" (chooses and logs why), "own_shard", "reshard" or "broadcast"; see
+        strategy: "auto" (chooses and logs why), "own_shard", "reshard", "broadcast" or "parallel"; see
             the module docstring for each one's peak memory.
         shard_metadata: for ``flat=True`` from an unflattened checkpoint: the target
             wrapping, i.e. fairscale's ``model.local_metadata_dict()``.
