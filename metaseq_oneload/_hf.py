@@ -545,7 +545,7 @@ def from_pretrained(
         device: where parameters are materialised (default: the FSDP2 mesh's device, else CPU;
             CPU when ``fsdp`` shards with ``offload_policy=CPUOffloadPolicy()``, buffers then
             staying on the mesh's device).
-        strategy: :func:`metaseq_oneload.load_into`'s: "auto", "reshard" or "broadcast".
+        strategy: :func:`metaseq_oneload.load_into`'s: "auto", "reshard", "broadcast" or "parallel".
         ignore_unexpected: regexes of checkpoint tensors to skip, beyond the model class's
             own ``_keys_to_ignore_on_load_unexpected``.
         bucket_mb: broadcast bucket size: the peak extra memory of every rank when broadcasting.
