@@ -277,3 +277,21 @@ def test_a_forked_child_reads_urls_on_its_own(remote):
     got = q.get(timeout=120)
     p.join(30)
     assert got == want
+
+
+def test_verify_and_files_read_whole_from_s3(remote, tmp_path):
+    """verify=True's independent reading, and a legacy (pre-1.6) file, which cannot be read
+    in place: fetched whole (by the header read, and again by the load), and equal to the
+    local load."""
+    ep, urls = remote
+    lc = mo.load_checkpoint(urls["fsdp_dp3"], verify=True, no_dist=True)
+    assert lc.report.verified
+    _same(lc.model, mo.load_state_dict(FIXTURES / "fsdp_dp3", no_dist=True))
+    g = torch.Generator().manual_seed(3)
+    torch.save({"model": {"a.weight": torch.randn(64, 32, generator=g), "a.bias": torch.randn(64, generator=g)}},
+               tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    url = ep.upload(tmp_path / "legacy.pt", "ckpt", "legacy/checkpoint_1.pt")
+    assert mo.inspect(url).files[0][0].format == "legacy"
+    ep.reset()
+    _same(mo.load_state_dict(url, no_dist=True), mo.load_state_dict(tmp_path / "legacy.pt", no_dist=True))
+    assert ep.counters.bytes_by_key["/ckpt/legacy/checkpoint_1.pt"] <= 2 * os.path.getsize(tmp_path / "legacy.pt")
