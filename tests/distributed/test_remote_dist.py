@@ -1,7 +1,8 @@
 """Object storage on real gloo ranks (issue 12, part 5): 2 ranks of one process group load
 ``s3://`` checkpoints from an S3 endpoint on 127.0.0.1 (moto behind a counting proxy, in a
 process of its own), collectively, and get what the same load from the local files gives;
-a missing object is a clear error on every rank, not a hang."""
+a missing object, and a store that stops answering mid-load, are a clear error on every
+rank, not a hang."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.s3_server import S3Endpoint
 pytestmark = needs_fixtures
 
 
-def _remote_loads(rank, world, urls):
+def _remote_loads(rank, world, urls, proxy):
     import torch
 
     import metaseq_oneload as mo
@@ -43,6 +44,25 @@ def _remote_loads(rank, world, urls):
         out["missing"] = "loaded"
     except DistributedLoadError as e:  # what every rank raises when any rank cannot go on
         out["missing"] = str(e)
+    # the store stops answering (503 to every ranged read): retries run out, every rank stops
+    import os
+    import urllib.request
+
+    import torch.distributed as dist
+
+    os.environ["ONELOAD_REMOTE_RETRIES"] = "1"
+    dist.barrier()
+    if rank == 0:
+        urllib.request.urlopen(f"{proxy}/__proxy__/fail?n=1000000", timeout=30).read()
+    dist.barrier()
+    try:
+        mo.load_state_dict(urls["mp2_ddp"])
+        out["down"] = "loaded"
+    except DistributedLoadError as e:
+        out["down"] = str(e)
+    dist.barrier()
+    if rank == 0:
+        urllib.request.urlopen(f"{proxy}/__proxy__/reset", timeout=30).read()
     return out
 
 
@@ -52,7 +72,7 @@ def test_two_ranks_load_from_s3(tmp_path, monkeypatch):
         urls = {name: ep.upload(FIXTURES / name, "ckpt", name) for name in ("fsdp_dp3", "mp2_ddp")}
         for k, v in ep.env().items():
             monkeypatch.setenv(k, v)
-        rows = run_ranks(2, _remote_loads, urls, tmp_path=tmp_path, timeout=180)
+        rows = run_ranks(2, _remote_loads, urls, ep.url, tmp_path=tmp_path, timeout=180)
     finally:
         ep.stop()
     for r in rows:
@@ -60,6 +80,8 @@ def test_two_ranks_load_from_s3(tmp_path, monkeypatch):
         assert r["flat_bytes"][0] == r["flat_bytes"][1] > 0, r
         assert "failed on 2 rank(s) (0, 1)" in r["missing"], r
         assert r["missing"].count("CheckpointNotFoundError: s3://ckpt/fsdp_dp3/checkpoint_7.pt: no such file") == 2, r
+        assert "loading s3://ckpt/mp2_ddp:" in r["down"] and "failed on 2 rank(s) (0, 1)" in r["down"], r
+        assert r["down"].count("failed after 2 tries (OSError: [Errno 16] Service is unable") >= 2, r
     # only the coordinator reads pickles; the other rank fetches its files' zip directories
     # and its tensor bytes
     print("\nper-rank fetched bytes:", [r["full_stats"]["bytes"] for r in rows])
