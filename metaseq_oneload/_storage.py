@@ -18,12 +18,13 @@ A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec protocol) goe
 Settings come from the environment, so that every entry point (the API, the CLI, the
 metaseq patch, torchrun workers) sees the same ones:
 
-``ONELOAD_STORAGE_OPTIONS``   JSON: fsspec options for every protocol (``{"anon": true}``), or
-                              per protocol (``{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}``)
-``ONELOAD_REMOTE_CONCURRENCY`` requests in flight per process (default 16)
-``ONELOAD_REMOTE_RETRIES``     retries per request after the first try (default 5)
-``ONELOAD_REMOTE_BACKOFF``     first backoff in seconds, doubled per retry, capped at 10 s (default 0.2)
-``ONELOAD_REMOTE_PART_MB``     largest single ranged request, MiB (default 8)
+* ``METASEQ_ONELOAD_STORAGE_OPTIONS``: JSON, fsspec options for every protocol
+  (``{"anon": true}``) or per protocol (``{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}``);
+* ``METASEQ_ONELOAD_REMOTE_CONCURRENCY``: requests in flight per process (default 16);
+* ``METASEQ_ONELOAD_REMOTE_RETRIES``: retries per request after the first try (default 5);
+* ``METASEQ_ONELOAD_REMOTE_BACKOFF``: first backoff in seconds, doubled per retry, capped at
+  10 s, with jitter (default 0.2);
+* ``METASEQ_ONELOAD_REMOTE_PART_MB``: largest single ranged request, MiB (default 8).
 
 fsspec and the protocol's implementation (s3fs, gcsfs, adlfs, aiohttp) are imported only when
 a URL is given: the package imports and runs on local files without them.
@@ -67,7 +68,7 @@ class RemoteSettings:
     retries: int = 5  # retries per request after the first try
     backoff_s: float = 0.2  # first backoff; doubled per retry, capped at 10 s, with jitter
     part_bytes: int = 8 << 20  # largest single ranged request
-    storage_options: str = "{}"  # JSON, as in ONELOAD_STORAGE_OPTIONS
+    storage_options: str = "{}"  # JSON, as in METASEQ_ONELOAD_STORAGE_OPTIONS
 
     def __post_init__(self):
         if self.concurrency < 1 or self.retries < 0 or self.backoff_s < 0 or self.part_bytes < (64 << 10):
@@ -77,7 +78,7 @@ class RemoteSettings:
     def options_for(self, protocol: str) -> dict:
         opts = json.loads(self.storage_options or "{}")
         if not isinstance(opts, dict):
-            raise ValueError(f"ONELOAD_STORAGE_OPTIONS must be a JSON object, got {self.storage_options!r}")
+            raise ValueError(f"METASEQ_ONELOAD_STORAGE_OPTIONS must be a JSON object, got {self.storage_options!r}")
         # Per protocol where keys name protocols and hold objects, else the same for all.
         if opts and all(isinstance(v, dict) for v in opts.values()):
             return dict(opts.get(protocol, {}))
@@ -88,11 +89,11 @@ def settings() -> RemoteSettings:
     """(local) The settings as the environment says now."""
     env = os.environ
     return RemoteSettings(
-        concurrency=int(env.get("ONELOAD_REMOTE_CONCURRENCY", 16)),
-        retries=int(env.get("ONELOAD_REMOTE_RETRIES", 5)),
-        backoff_s=float(env.get("ONELOAD_REMOTE_BACKOFF", 0.2)),
-        part_bytes=int(float(env.get("ONELOAD_REMOTE_PART_MB", 8)) * (1 << 20)),
-        storage_options=env.get("ONELOAD_STORAGE_OPTIONS", "{}"),
+        concurrency=int(env.get("METASEQ_ONELOAD_REMOTE_CONCURRENCY", 16)),
+        retries=int(env.get("METASEQ_ONELOAD_REMOTE_RETRIES", 5)),
+        backoff_s=float(env.get("METASEQ_ONELOAD_REMOTE_BACKOFF", 0.2)),
+        part_bytes=int(float(env.get("METASEQ_ONELOAD_REMOTE_PART_MB", 8)) * (1 << 20)),
+        storage_options=env.get("METASEQ_ONELOAD_STORAGE_OPTIONS", "{}"),
     )
 
 

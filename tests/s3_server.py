@@ -215,8 +215,8 @@ class S3Endpoint:
         return {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
-            "ONELOAD_STORAGE_OPTIONS": json.dumps({"s3": s3}),
-            "ONELOAD_REMOTE_BACKOFF": "0.01",
+            "METASEQ_ONELOAD_STORAGE_OPTIONS": json.dumps({"s3": s3}),
+            "METASEQ_ONELOAD_REMOTE_BACKOFF": "0.01",
         }
 
 

@@ -124,7 +124,7 @@ def _resolve_url(url: str) -> str:
         except PermissionError as e:
             raise CheckpointLayoutError(
                 f"{url}: access denied ({e}): the credentials this process has may not read it. Check "
-                "them (AWS_PROFILE, AWS_ACCESS_KEY_ID, ONELOAD_STORAGE_OPTIONS; docs/remote.md).") from None
+                "them (AWS_PROFILE, AWS_ACCESS_KEY_ID, METASEQ_ONELOAD_STORAGE_OPTIONS; docs/remote.md).") from None
         if st.isdir:
             return current
         target = _read_pointer(current) if st.size <= _POINTER_MAX_BYTES else None

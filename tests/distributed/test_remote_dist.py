@@ -50,7 +50,7 @@ def _remote_loads(rank, world, urls, proxy):
 
     import torch.distributed as dist
 
-    os.environ["ONELOAD_REMOTE_RETRIES"] = "1"
+    os.environ["METASEQ_ONELOAD_REMOTE_RETRIES"] = "1"
     dist.barrier()
     if rank == 0:
         urllib.request.urlopen(f"{proxy}/__proxy__/fail?n=1000000", timeout=30).read()

@@ -150,7 +150,7 @@ def test_transient_errors_are_retried_and_counted(remote, tmp_path):
 def test_persistent_errors_give_up_with_the_url(remote, tmp_path, monkeypatch):
     ep, urls = remote
     url = ep.upload(_big_checkpoint(tmp_path / "big.pt", mib=1), "ckpt", "down/checkpoint_1.pt")
-    monkeypatch.setenv("ONELOAD_REMOTE_RETRIES", "2")
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_RETRIES", "2")
     mo.inspect(url)  # headers fetched (and kept): what fails below is the first tensor's read
     _storage.reset_stats()
     ep.fail_next(10 ** 6)
@@ -183,8 +183,8 @@ def test_concurrency_is_bounded_and_memory_stays_small(remote, tmp_path, monkeyp
     ep, urls = remote
     local = _big_checkpoint(tmp_path / "big.pt", mib=8)
     url = ep.upload(local, "ckpt", "conc/checkpoint_1.pt")
-    monkeypatch.setenv("ONELOAD_REMOTE_PART_MB", "0.25")
-    monkeypatch.setenv("ONELOAD_REMOTE_CONCURRENCY", "3")
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_PART_MB", "0.25")
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_CONCURRENCY", "3")
     layout = mo.inspect(url)
     _storage.reset_stats()
     name = "decoder.layers.0.fc1.weight"

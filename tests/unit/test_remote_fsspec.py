@@ -61,14 +61,14 @@ def test_an_unknown_protocol_is_named():
 
 
 def test_storage_settings_are_checked(monkeypatch):
-    monkeypatch.setenv("ONELOAD_REMOTE_CONCURRENCY", "0")
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_CONCURRENCY", "0")
     with pytest.raises(ValueError, match="concurrency >= 1"):
         _storage.settings()
-    monkeypatch.setenv("ONELOAD_REMOTE_CONCURRENCY", "4")
-    monkeypatch.setenv("ONELOAD_STORAGE_OPTIONS", '{"s3": {"endpoint_url": "http://127.0.0.1:1"}, "gs": {"token": "anon"}}')
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_CONCURRENCY", "4")
+    monkeypatch.setenv("METASEQ_ONELOAD_STORAGE_OPTIONS", '{"s3": {"endpoint_url": "http://127.0.0.1:1"}, "gs": {"token": "anon"}}')
     s = _storage.settings()
     assert s.options_for("s3") == {"endpoint_url": "http://127.0.0.1:1"} and s.options_for("az") == {}
-    monkeypatch.setenv("ONELOAD_STORAGE_OPTIONS", '{"anon": true}')
+    monkeypatch.setenv("METASEQ_ONELOAD_STORAGE_OPTIONS", '{"anon": true}')
     assert _storage.settings().options_for("s3") == {"anon": True}
 
 
