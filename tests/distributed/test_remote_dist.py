@@ -6,8 +6,6 @@ rank, not a hang."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests.conftest import FIXTURES, needs_fixtures
 from tests.distributed.harness import run_ranks
 from tests.s3_server import S3Endpoint
