@@ -56,6 +56,7 @@ DEFAULT_ARRIVAL_TIMEOUT = 300.0
 MESSAGE_CAP = 2000
 _KEY = "oneload/arrival"
 _GRACE = 1.0  # seconds a lost peer on this host has to finish ending before it is looked for
+_LOST_POLL = 0.2  # seconds between looks in the store for a peer that stopped
 
 
 def clip(text: str, limit: int = MESSAGE_CAP) -> str:
@@ -178,10 +179,42 @@ class Group:
             who = (f"lost contact with a rank {where} (killed, crashed or unreachable; no rank on this host "
                    "is known to be gone)")
         failures = {r: f"lost during {self.step}" for r in sorted(gone)}
+        self._tell_lost(cause)
         return DistributedLoadError(
             f"{self.step}: {who}. Rank {self.global_rank} stops here, as does every rank still running; a "
             "process group cannot be used again once a rank is lost: restart the job (torchrun restarts every "
             f"rank). Backend error: {cause}", failures)
+
+    def _tell_lost(self, cause: str) -> None:
+        """Leave word in the store that this rank stops: a peer waiting on a message from it
+        (it lives on, so its sockets stay open) learns it at once, not at the backend's timeout."""
+        store = self._store()
+        if store is None or self._arrival is None:
+            return
+        with contextlib.suppress(Exception):  # the store's host may be the lost one
+            store.set(f"{self._arrival}/lost", json.dumps({"rank": self.global_rank, "cause": cause}))
+
+    def wait_all(self, works: Sequence) -> None:
+        """(local) Wait for this group's pending operations (``async_op`` collectives,
+        ``isend``/``irecv``). A peer that stopped because it lost a rank raises here too,
+        through the word it left in the store (:meth:`_tell_lost`): where ranks wait on one
+        another point to point, a survivor may otherwise wait on a survivor that has left."""
+        if not works:
+            return
+        store = self._store() if self._arrival is not None else None
+        nap, checked = 1e-4, time.monotonic()
+        with self.guard():
+            while not all(w.is_completed() for w in works):
+                if store is not None and time.monotonic() - checked > _LOST_POLL:
+                    checked = time.monotonic()
+                    if store.check([f"{self._arrival}/lost"]):
+                        info = json.loads(store.get(f"{self._arrival}/lost"))
+                        e = RuntimeError(f"rank {info['rank']} of the group stopped: {info['cause']}")
+                        raise self._lost(e) from e
+                time.sleep(nap)
+                nap = min(2 * nap, 0.002)
+            for w in works:
+                w.wait()
 
     def _gone_ranks(self, members: Sequence[int]) -> list:
         """Ranks whose process, recorded at this load's check-in on this host, has ended."""
@@ -224,7 +257,7 @@ class Group:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         with self.guard():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            self.wait_all([dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)])
         return int(t.item())
 
     def global_of(self, local_rank: int) -> int:
@@ -237,7 +270,7 @@ class Group:
             return
         staged = tensor if tensor.device == self.device else tensor.to(self.device)
         with self.guard():
-            dist.broadcast(staged, src=self.global_of(src), group=self.group)
+            self.wait_all([dist.broadcast(staged, src=self.global_of(src), group=self.group, async_op=True)])
         if staged is not tensor:
             tensor.copy_(staged)
 

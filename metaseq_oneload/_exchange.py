@@ -381,8 +381,7 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
                             handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
                 for dst, src in copies:  # while the messages between nodes travel
                     dst.copy_(src)
-                for h in handles:
-                    h.wait()
+                dp.wait_all(handles)
         try:
             got = 0
             for c_i, c in enumerate(rnd):

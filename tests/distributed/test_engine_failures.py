@@ -52,16 +52,17 @@ def test_an_empty_folder_is_a_rank_that_cannot_see_the_files(tmp_path):
 
 # --------------------------------------------------------------------------- arrival, lost ranks, big messages
 #
-# One run of 5 real gloo ranks covers every case (spawning ranks is what costs here): first
-# the arrival and message cases on ranks 0-3, then three ranks killed one after another,
+# One run of 6 real gloo ranks covers every case (spawning ranks is what costs here): first
+# the arrival and message cases on ranks 0-3, then four ranks killed one after another,
 # each in its own 3-rank group (a killed rank breaks only the groups it is in), while ranks
-# 1 and 2 survive all three and report.
+# 1 and 2 survive all four and report.
 
 FOUR = [0, 1, 2, 3]
 KILLS = [  # scenario, group, victim, the step the survivors must name
     ("reader_mid_broadcast", [0, 1, 2], 0, r"reading \(broadcast, bucket \d+ of \d+\)"),
     ("receiver_mid_scatter", [1, 2, 3], 3, r"reading \(scatter, bucket \d+ of \d+\)"),
     ("rank_mid_reshard", [1, 2, 4], 4, r"reading"),
+    ("rank_mid_parallel", [1, 2, 5], 5, r"reading \(parallel read, round \d+ of \d+\)"),
 ]
 
 
@@ -178,6 +179,7 @@ def _killed_mid_load(rank: int, scenario: str, group, victim: int, tmp: str) -> 
         "reader_mid_broadcast": dict(strategy="broadcast", bucket_mb=0.001),
         "receiver_mid_scatter": dict(strategy="broadcast", bucket_mb=0.001, flat=True),
         "rank_mid_reshard": dict(strategy="reshard", flat=True),
+        "rank_mid_parallel": dict(strategy="auto", bucket_mb=0.001),  # full weights: read once, exchanged
     }[scenario]
     try:
         mo.load_state_dict(FIXTURES / "fsdp_dp3", process_group=group, progress=die if rank == victim else None, **kw)
@@ -215,7 +217,7 @@ def five(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("five")
     before = _sha256(FIXTURES / "fsdp_dp3")
-    results = run_ranks(5, five_ranks, str(tmp), tmp_path=tmp, timeout=60, may_die=tuple(v for _, _, v, _ in KILLS))
+    results = run_ranks(6, five_ranks, str(tmp), tmp_path=tmp, timeout=60, may_die=tuple(v for _, _, v, _ in KILLS))
     arrivals = [json.loads((tmp / f"arrivals{r}.json").read_text()) for r in FOUR]
     killed_at = {scenario: float((tmp / f"{scenario}.killed_at").read_text()) for scenario, _, _, _ in KILLS}
     return {"arrivals": arrivals, "results": results, "killed_at": killed_at,
