@@ -6,21 +6,24 @@ unpickler, a Python loop of about 2.5 us an opcode, over the whole pickle (optim
 and FSDP metadata included), and the header read then listed the pickle's storages in a
 second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
 
-* ``find_class`` returns what torch's loader returns for the name (torch's own allowlist,
+* ``find_class`` accepts exactly the names torch's loader accepts (torch's own allowlist,
   the process's ``torch.serialization`` safe globals, our ``safe_globals()``) and refuses
-  every other name before anything of it is imported or called. torch's tensor rebuild
-  functions are replaced by builders of small records (:class:`_Stub`), and every
-  persistent id must be a storage torch.save writes; anything else the pass does not know
-  (a tensor subclass, sparse or quantized tensors, tensors with state) hands the file to
-  torch's own loader. The C unpickler calls nothing but these objects, and methods of
-  what they made: ``__setstate__`` (BUILD, as torch's loader does for allowlisted types),
-  ``append``/``extend`` and ``__setitem__`` (which torch's loader allows on lists and dicts
-  only; here also on an omegaconf container or numpy array, still only allowlisted code).
+  every other name before anything of it is imported or called. It returns a stand-in
+  that refuses BUILD for what the process shares (a Python class, a function, torch's
+  storage classes), so a pickle cannot change them for later loads; C types and the
+  like come back as they are. torch's tensor rebuild functions are replaced by builders of
+  small records (:class:`_Stub`), and every persistent id must be a storage torch.save
+  writes; anything else the pass does not know (a tensor subclass, sparse or quantized
+  tensors, tensors with state, a class used as a value) hands the file to torch's own
+  loader. The C unpickler calls nothing but these, and methods of the objects they made:
+  ``__setstate__`` (BUILD, as torch's loader does for allowlisted types), ``append``/
+  ``extend`` and ``__setitem__`` (torch's loader allows these on lists and dicts only;
+  here also on a numpy array or omegaconf container, still only allowlisted code).
 * the checks of a header read run on the records: every storage has its record, of its
   size; every tensor lies inside its storage.
 * meta tensors are built for everything but the top-level ``last_optimizer_state``, which
-  becomes a mapping that builds its tensors on first use (:class:`_Deferred`): discovery
-  never touches it, the optimizer paths (``_optim``) do.
+  becomes a dict that builds its tensors on first read (:class:`_Deferred`): discovery
+  never reads it, the optimizer paths (``_optim``) do.
 
 A file this pass cannot vouch for (refused, unknown to it, or failing a check) gets no
 header from it: torch's loader and ``_reading._check_zip`` then read it and say what is
@@ -35,12 +38,15 @@ import functools
 import io
 import pickle
 import threading
+import types
+import typing
 from typing import Any, Optional
 
 import torch
 
 _OPTIMIZER_KEY = "last_optimizer_state"
 _LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.dtype))
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C type, whose attributes nothing can set
 
 
 class _Refused(Exception):
@@ -74,6 +80,9 @@ class _Storage:
             self._untyped = s
         return self._untyped
 
+    def __setstate__(self, state):  # a BUILD aimed at it would overwrite what was checked
+        raise _NotPlain("BUILD on a storage")
+
     def __repr__(self) -> str:
         return f"<storage data/{self.key}: {self.numel} {self.dtype}>"
 
@@ -101,12 +110,96 @@ class _Stub:
             self._tensor = t
         return self._tensor
 
+    def __setstate__(self, state):  # BUILD would set slots after the builder's checks
+        raise _NotPlain("BUILD on a tensor")
+
     def __repr__(self) -> str:
         return f"<tensor {self.size} on {self.storage!r}, not built>"
 
 
 def _ints(xs: Any) -> bool:
     return type(xs) is tuple and all(type(x) is int for x in xs)
+
+
+# What find_class returns is shared by the whole process (a class, a function, torch's
+# StorageType objects), and the C unpickler's BUILD sets attributes of whatever is on its
+# stack: on the shared object itself, it would change it for every later load (torch's
+# loader refuses BUILD on anything but allowlisted instances). So find_class hands out
+# stand-ins that do what the pickle may ask of a global (be called, be NEWOBJ's class, name
+# a storage's dtype) and refuse BUILD.
+class _Call:
+    """An allowlisted function (or one of our builders), callable only."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __setstate__(self, state):
+        raise _NotPlain("BUILD on a function")
+
+
+class _StorageClass:
+    """torch's ``FloatStorage`` etc. in a persistent id: the dtype it names."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __setstate__(self, state):
+        raise _NotPlain("BUILD on a storage class")
+
+
+_GUARDS: set = set()  # ids of the classes _guard made
+
+
+@functools.lru_cache(maxsize=None)
+def _guard(real: type) -> type:
+    """A stand-in for a Python class: NEWOBJ and calls make instances of ``real`` itself;
+    setting an attribute of the stand-in (BUILD aimed at the class) is refused."""
+    meta = type(real)
+
+    def call(cls, *args, **kwargs):
+        return real(*args, **kwargs)
+
+    def setattr_(cls, name, value):
+        if "_oneload_sealed" in cls.__dict__:
+            raise _NotPlain("BUILD on a class")
+        meta.__setattr__(cls, name, value)  # while the class is made (ABCMeta sets its cache)
+
+    def new(cls, *args):
+        return real.__new__(real, *args)
+
+    def setstate(state):
+        raise _NotPlain("BUILD on a class")
+
+    guarded_meta = type(f"_Guarded{meta.__name__}", (meta,), {"__call__": call, "__setattr__": setattr_,
+                                                             "__delattr__": setattr_})
+    cls = guarded_meta(real.__name__, (real,), {"__new__": new, "__setstate__": setstate, "__slots__": (),
+                                                "__module__": real.__module__, "__qualname__": real.__qualname__})
+    meta.__setattr__(cls, "_oneload_sealed", True)
+    _GUARDS.add(id(cls))
+    return cls
+
+
+def _stand_in(obj: Any) -> Any:
+    """What find_class returns for an allowlisted ``obj`` (see above); raises _NotPlain for
+    what has none (a class the file uses as a value, e.g. omegaconf's ``typing.Any``)."""
+    if obj is typing.Any:
+        raise _NotPlain("typing.Any")
+    if isinstance(obj, type):
+        return obj if obj.__flags__ & _IMMUTABLE_TYPE else _guard(obj)
+    if isinstance(obj, torch.serialization.StorageType):
+        return _StorageClass(obj.dtype)
+    if isinstance(obj, (types.FunctionType, types.MethodType)) or hasattr(obj, "__dict__"):
+        if not callable(obj):
+            raise _NotPlain(f"{obj!r}")
+        return _Call(obj)
+    return obj  # a C object without attributes to set: a dtype, a builtin function
 
 
 class _HeaderUnpickler(pickle.Unpickler):
@@ -120,9 +213,9 @@ class _HeaderUnpickler(pickle.Unpickler):
         wo = torch._weights_only_unpickler
         self.blocked = wo._blocklisted_modules
         u = torch._utils
-        self.builders = {id(u._rebuild_tensor_v2): self._tensor_v2, id(u._rebuild_tensor): self._tensor,
-                         id(u._rebuild_parameter): self._parameter,
-                         id(u._rebuild_parameter_with_state): self._parameter_with_state}
+        self.builders = {id(u._rebuild_tensor_v2): _Call(self._tensor_v2), id(u._rebuild_tensor): _Call(self._tensor),
+                         id(u._rebuild_parameter): _Call(self._parameter),
+                         id(u._rebuild_parameter_with_state): _Call(self._parameter_with_state)}
         self.others = {id(f) for f in wo._tensor_rebuild_functions()} | {
             id(torch._tensor._rebuild_from_type_v2), id(torch.nn.Parameter), id(torch.Tensor)}
 
@@ -141,14 +234,15 @@ class _HeaderUnpickler(pickle.Unpickler):
             return build
         if id(obj) in self.others:
             raise _NotPlain(full)
-        return obj
+        return _stand_in(obj)
 
     def persistent_load(self, pid: Any) -> _Storage:
         if type(pid) is not tuple or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
             raise _NotPlain(f"persistent id {pid!r}")
         _, storage_type, key, _location, numel = pid
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
-        if not isinstance(dtype, torch.dtype) or type(numel) is not int:
+        dtype = (torch.uint8 if storage_type is torch.UntypedStorage
+                 else storage_type.dtype if type(storage_type) is _StorageClass else None)
+        if dtype is None or type(numel) is not int:
             raise _NotPlain(f"persistent id {pid!r}")
         key = f"{key}"  # torch reads record data/{key}
         s = self.storages.get(key)
@@ -250,6 +344,8 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
             raise _NotPlain(f"a tensor inside a {t.__name__}")
         seen[id(obj)] = new
         return new
+    if t is _Call or t is _StorageClass or id(obj) in _GUARDS:
+        raise _NotPlain("a global used as a value")  # where torch's loader gives the real one
     return obj  # not entered (omegaconf containers, numpy, sets): a stub in one is found below
 
 

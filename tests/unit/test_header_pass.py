@@ -249,3 +249,78 @@ def test_what_the_one_pass_finds_wrong_stands_whatever_the_fallback_says(tmp_pat
     with pytest.raises(CheckpointLayoutError, match=r"past\.pt: a tensor reaches element 5 of a storage of 3 elements"):
         read_header(str(path))
     _reading._cached_header.cache_clear()
+
+
+def test_a_build_aimed_at_a_tensor_cannot_change_it_after_its_checks(tmp_path, monkeypatch):
+    """BUILD with slot state sets attributes: aimed at the one pass's tensor record it could
+    put any object where the tensor goes, after the builder's checks. The record refuses;
+    torch's loader judges the file."""
+    import collections
+
+    t = torch.arange(3.0)
+    original = torch.Tensor.__reduce_ex__
+
+    def reduce_ex(self, proto):
+        if self is t:
+            return (torch._utils._rebuild_tensor_v2,
+                    (self._typed_storage(), 0, (3,), (1,), False, collections.OrderedDict()),
+                    (None, {"_tensor": "not a tensor"}))
+        return original(self, proto)
+
+    path = tmp_path / "built.pt"
+    monkeypatch.setattr(torch.Tensor, "__reduce_ex__", reduce_ex)
+    torch.save({"model": {"w": t}}, path)
+    monkeypatch.setattr(torch.Tensor, "__reduce_ex__", original)
+    index = _reading._zip_index(_reading._stat_key(str(path)))
+    with zipfile.ZipFile(path) as z:
+        data = z.read(f"{index.folder}/data.pkl")
+    assert b"_tensor" in data  # the BUILD is there
+    assert _unpickle.header(str(path), index, data) == (None, None)
+    _reading._cached_header.cache_clear()
+    try:
+        w = read_header(str(path))["model"]["w"]
+    except Exception:  # noqa: BLE001 - torch's loader may refuse it; it must not come back changed
+        return
+    assert isinstance(w, torch.Tensor) and w.shape == (3,)
+
+
+class _Index:
+    """The archive of a pickle-only file: no storage records."""
+
+    records: dict = {}
+    folder = "x"
+    why_not_range_readable = None
+
+
+# BUILD aimed at a global itself: with slot state it sets the class's attributes, with a dict
+# it fills the object's __dict__; the C unpickler does either to whatever is on its stack.
+# The globals are the process's own objects, so each would change every later load.
+_BUILD_ON_GLOBALS = {
+    "class": (b"\x80\x02cargparse\nNamespace\nN}X\x03\x00\x00\x00fooK\x01s\x86b.",
+              lambda: getattr(argparse.Namespace, "foo", None)),
+    "function": (b"\x80\x02ctorch.serialization\n_get_layout\n}X\x03\x00\x00\x00fooK\x01sb.",
+                 lambda: getattr(torch.serialization._get_layout, "foo", None)),
+    "storage class": (b"\x80\x02ctorch\nFloatStorage\n}X\x06\x00\x00\x00_dtypectorch\nint8\nsb.",
+                      lambda: torch._weights_only_unpickler._get_allowed_globals()["torch.FloatStorage"].__dict__.get(
+                          "_dtype") is not torch.float32 or None),
+}
+
+
+@pytest.mark.parametrize("target", sorted(_BUILD_ON_GLOBALS))
+def test_a_build_aimed_at_a_global_changes_nothing_of_the_process(target):
+    pkl, changed = _BUILD_ON_GLOBALS[target]
+    assert changed() is None
+    assert _unpickle.header("x.pt", _Index, pkl) == (None, None)
+    assert changed() is None
+
+
+def test_allowlisted_classes_come_back_as_themselves():
+    import collections
+
+    obj, problem = _unpickle.header("x.pt", _Index, pickle.dumps(
+        {"cfg": argparse.Namespace(a=1, b=[2]), "c": collections.Counter(a=3), "o": collections.OrderedDict(z=1)},
+        protocol=2))
+    assert problem is None
+    assert type(obj["cfg"]) is argparse.Namespace and vars(obj["cfg"]) == {"a": 1, "b": [2]}
+    assert type(obj["c"]) is collections.Counter and obj["c"]["a"] == 3
+    assert type(obj["o"]) is collections.OrderedDict
