@@ -138,8 +138,9 @@ def reset_stats() -> None:
 
 
 def forget() -> None:
-    """Drop cached stats and header bytes: the next read asks the store."""
+    """Drop cached stats, header bytes and read-ahead windows: the next read asks the store."""
     _CACHE.clear()
+    _READ_AHEAD.clear()
     with _STAT_LOCK:
         _STAT_CACHE.clear()
 
@@ -385,12 +386,70 @@ def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
         return pool
 
 
+class _ReadAhead:
+    """Small reads of one object that follow each other (a flat parameter's members, the
+    biases and norms between a model's large weights) share requests: a read that starts
+    where the previous one ended (give or take a record header) fetches a window twice as
+    large as the last, up to 2 MiB, and the next small reads come from it. Scattered small
+    reads fetch exactly what they ask. What is fetched and not used is at most the last
+    window of each run, never more than the run itself; at most 8 windows are kept."""
+
+    SMALL = 256 << 10  # reads at most this large go through here
+    WINDOW = 2 << 20
+    GAP = 64 << 10  # "follows": starts at most this far past the previous end
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._windows: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+        self._runs: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()  # key -> (end, window)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._windows.clear()
+            self._runs.clear()
+
+    def read(self, url: str, offset: int, view: memoryview) -> int:
+        n = len(view)
+        st = _stat_url(url)
+        key = (url, st.size, st.version)
+        with self._lock:
+            win = self._windows.get(key)
+            if win is not None and win[0] <= offset and offset + n <= win[0] + len(win[1]):
+                data = win[1][offset - win[0]: offset - win[0] + n]
+                self._runs[key] = (offset + n, self._runs.get(key, (0, n))[1])
+                view[:n] = data
+                return n
+            end, last = self._runs.get(key, (None, 0))
+        follows = end is not None and 0 <= offset - end <= self.GAP
+        want = min(self.WINDOW, max(2 * last, n)) if follows else n
+        data = read_range(url, offset, min(max(want, n), max(0, st.size - offset)))
+        got = min(n, len(data))
+        view[:got] = data[:got]
+        with self._lock:
+            if len(data) > n:
+                self._windows[key] = (offset, data)
+                self._windows.move_to_end(key)
+                while len(self._windows) > 8:
+                    self._windows.popitem(last=False)
+            self._runs[key] = (offset + got, want if follows else n)
+            self._runs.move_to_end(key)
+            while len(self._runs) > 64:
+                self._runs.popitem(last=False)
+        return got
+
+
+_READ_AHEAD = _ReadAhead()
+
+
 def read_into(url: str, offset: int, view: memoryview) -> int:
     """(local) Fill ``view`` with the object's bytes from ``offset``: parts of at most
     ``part_bytes`` fetched concurrently (within the process-wide bound), each written into
-    its place as it arrives. Returns the bytes written (fewer only where the object ends)."""
+    its place as it arrives; small reads that follow each other share requests
+    (:class:`_ReadAhead`). Returns the bytes written (fewer only where the object ends)."""
     s = settings()
     n = len(view)
+    if 0 < n <= _ReadAhead.SMALL:
+        return _READ_AHEAD.read(url, offset, view)
     parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
 
     def one(a: int, b: int) -> int:

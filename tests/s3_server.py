@@ -8,6 +8,7 @@ GET it relays, per object.
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import http.server
 import json
@@ -162,6 +163,7 @@ class S3Endpoint:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the S3 test server did not start (exit code {self.proc.wait()})")
+        atexit.register(self.stop)  # never outlive the tests, even where a test forgot to stop it
         ports = json.loads(line)
         self.direct_url = f"http://127.0.0.1:{ports['moto']}"
         self.url = f"http://127.0.0.1:{ports['proxy']}"
@@ -182,8 +184,9 @@ class S3Endpoint:
         self._ctl(f"fail?n={n}")
 
     def stop(self):
-        self.proc.kill()
-        self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def client(self):
         import boto3

@@ -295,3 +295,29 @@ def test_verify_and_files_read_whole_from_s3(remote, tmp_path):
     ep.reset()
     _same(mo.load_state_dict(url, no_dist=True), mo.load_state_dict(tmp_path / "legacy.pt", no_dist=True))
     assert ep.counters.bytes_by_key["/ckpt/legacy/checkpoint_1.pt"] <= 2 * os.path.getsize(tmp_path / "legacy.pt")
+
+
+def test_small_reads_that_follow_each_other_share_requests(remote):
+    """A model's many small tensors (biases, norms, a flat parameter's members) cost a few
+    requests, not one each; what read-ahead fetches beyond them stays within the run."""
+    ep, urls = remote
+    url = urls["singleton"] + "/checkpoint_2_consolidated.pt"
+    layout = mo.inspect(url)
+    tensors = list(layout.parts[0].tensors.values())
+    _storage.forget()
+    _storage.reset_stats()
+    sd = mo.load_state_dict(url, no_dist=True)
+    st = _storage.stats()
+    need = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"\n{len(tensors)} tensors, {need} bytes: {st['requests']} requests, {st['bytes']} bytes fetched")
+    assert st["requests"] <= len(tensors) // 3, st
+    assert need <= st["bytes"] <= 2 * need + (64 << 10), (st, need)
+    # scattered small reads fetch exactly what they ask
+    _storage.forget()
+    _storage.stat(url)
+    _storage.reset_stats()
+    buf = bytearray(100)
+    size = os.path.getsize(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")
+    for off in (0, size // 2, size - 200):
+        assert _storage.read_into(url, off, memoryview(buf)) == 100
+    assert _storage.stats()["bytes"] == 300 and _storage.stats()["requests"] == 3
