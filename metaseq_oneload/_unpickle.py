@@ -300,6 +300,13 @@ def _allowed_with(process: frozenset) -> dict:
 
 
 _IN_PROGRESS = object()
+_IS_LEAF = _LEAVES.__contains__
+
+
+def _leaves_only(values) -> bool:
+    """No value could hold a stub (a list of names, a shape): checked at C speed, as most of
+    a header (FSDP metadata, cfg) is such containers."""
+    return all(map(_IS_LEAF, map(type, values)))
 
 
 def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
@@ -317,19 +324,19 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
             return obj
         seen[id(obj)] = obj
         d = vars(obj) if isinstance(obj, argparse.Namespace) else obj
+        if _leaves_only(dict.values(d) if isinstance(d, dict) else d):
+            return obj
         items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
         for k, v in items:
-            if type(v) in _LEAVES:
+            tv = type(v)
+            if tv in _LEAVES or ((tv is list or tv is tuple) and _leaves_only(v)):
                 continue
             new = _resolve(v, build, seen, reached)
             if new is not v:
                 d[k] = new  # a value replaced, no key added: iterating on is safe
         return obj
     if isinstance(obj, tuple):
-        for v in obj:
-            if type(v) not in _LEAVES:
-                break
-        else:
+        if _leaves_only(obj):
             return obj  # the common tuple: a shape
         done = seen.get(id(obj))
         if done is _IN_PROGRESS:
