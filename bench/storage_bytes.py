@@ -11,7 +11,7 @@ forked from a server that has only imported the libraries, so no cache of a prev
 survives):
 
 * ours: ``load_checkpoint`` for every strategy of ``metaseq_oneload._loading.STRATEGIES``
-  (``own_shard`` only where the saved layout can match the world), ``flat`` True and False,
+  (``own_shard`` only where the saved files match the world), ``flat`` True and False,
   from the singleton and from the 4 shards;
 * the peers: every rank ``torch.load`` (``mmap=False``; ``mmap=True`` then a copy of every
   tensor, as loading it into a model does), FSDP2 ``set_model_state_dict(...,
@@ -324,7 +324,8 @@ def _plan(strategies, sources, world: int, peers: bool) -> list:
         for strategy in strategies:
             for flat in (True, False):
                 # own_shard reads each rank's own saved file: only where the files match the world
-                if strategy == "own_shard" and not (source == "shards4" and world == 4) and \
+                # (4 flat shards onto 4 flat ranks; a singleton on 1 rank), else it refuses
+                if strategy == "own_shard" and not (source == "shards4" and world == 4 and flat) and \
                         not (source == "single" and world == 1):
                     continue
                 plan.append((f"ours {strategy}", f"ours:{source}:{strategy}:{'flat' if flat else 'full'}", {}))
@@ -366,9 +367,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", help="comma-separated run kinds (e.g. torch.load,runai-dist,ours:single:parallel:full)")
     ap.add_argument("--mem-budget-gib", type=float, default=9.0,
-                    help="skip runs whose outputs alone (W x B where every rank holds the whole model) exceed this")
+                    help="skip runs whose peaks would sum to more (predicted from the same run at a smaller size)")
     ap.add_argument("--keep", help="write the checkpoints under this folder and keep them")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--jsonl", help="also append every row to this file as it is measured")
     args = ap.parse_args(argv)
 
     from metaseq_oneload._loading import STRATEGIES
@@ -378,7 +380,8 @@ def main(argv=None) -> int:
     only = set(args.only.split(",")) if args.only else None
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([m for m in _PRELOAD])
-    rows = []
+    rows, peaks = [], {}
+    log = open(args.jsonl, "a") if args.jsonl else None
     root = args.keep or tempfile.mkdtemp(prefix="oneload-storage-", dir="/tmp")
     try:
         for gib in args.gib:
@@ -393,8 +396,13 @@ def main(argv=None) -> int:
                         continue
                     row = {"gib": gib, "model_bytes": model_bytes, "world": world, "run": label, "kind": kind,
                            "source": _source_of(kind)}
-                    if _wants_whole(kind) and world * model_bytes > args.mem_budget_gib * 2**30:
-                        row["error"] = f"skipped: {world} x the model exceeds --mem-budget-gib {args.mem_budget_gib:g}"
+                    # The sum of peaks this run will reach, from what it reached at a smaller size
+                    # (mapped pages and a streamer's buffers count too), else from what it must hold.
+                    seen = peaks.get((kind, world))
+                    predicted = model_bytes * (seen if seen is not None else (world if _wants_whole(kind) else 1.5))
+                    if predicted > args.mem_budget_gib * 2**30:
+                        row["error"] = (f"skipped: its peaks would sum to about {predicted / 2**30:.1f} GiB, over "
+                                        f"--mem-budget-gib {args.mem_budget_gib:g}")
                     else:
                         r = run(ctx, kind, world, files, dims, root, env)
                         if "error" in r:
@@ -410,10 +418,15 @@ def main(argv=None) -> int:
                                 "rchar_per_rank_mib": [round(x / 2**20) for x in r["rchar"]],
                                 "peak_per_rank_mib": [round(x / 2**20) for x in r["extra"]],
                             })
+                            # the latest (largest) size: fixed costs (a bucket) weigh less as models grow
+                            peaks[(kind, world)] = row["peak_x"]
                             if reps:
                                 row["chose"] = reps[0]["strategy"]
                                 row["engine_bytes_read_x"] = round(sum(x["bytes_read"] for x in reps) / model_bytes, 3)
                     rows.append(row)
+                    if log:
+                        log.write(json.dumps(row) + "\n")
+                        log.flush()
                     print(f"  {gib:g} GiB W={world} {label} [{row['source']}]: "
                           + (row["error"] if "error" in row else
                              f"rchar {row['rchar_x']}x, read_bytes {row['read_bytes_x']}x, peak {row['peak_x']}x, "
@@ -434,7 +447,7 @@ def main(argv=None) -> int:
     body = []
     for r in rows:
         if "error" in r:
-            body.append([f"{r['gib']:g}", r["world"], r["run"], r["source"], "-", r["error"][:90], "", "", ""])
+            body.append([f"{r['gib']:g}", r["world"], r["run"], r["source"], "-", r["error"][:70], "", "", ""])
             continue
         body.append([f"{r['gib']:g}", r["world"], r["run"], r["source"], r.get("chose", "-"), f"{r['rchar_x']:.2f}x",
                      f"{r['read_bytes_x']:.2f}x", f"{r['peak_x']:.2f}x", f"{r['seconds']:.2f}"])
