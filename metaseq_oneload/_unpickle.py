@@ -6,6 +6,8 @@ unpickler, a Python loop of about 2.5 us an opcode, over the whole pickle (optim
 and FSDP metadata included), and the header read then listed the pickle's storages in a
 second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
 
+* it reads only pickles of the opcodes torch's loader reads (a scan first; no EXT, INST,
+  OBJ, NEWOBJ_EX, protocol 4 framing, no memo index past the pickle's length).
 * ``find_class`` accepts exactly the names torch's loader accepts (torch's own allowlist,
   the process's ``torch.serialization`` safe globals, our ``safe_globals()``) and refuses
   every other name before anything of it is imported or called. It returns a stand-in
@@ -37,6 +39,7 @@ import argparse
 import functools
 import io
 import pickle
+import struct
 import threading
 import types
 import typing
@@ -45,6 +48,58 @@ from typing import Any, Optional
 import torch
 
 _OPTIMIZER_KEY = "last_optimizer_state"
+
+# The opcodes torch's weights_only loader reads, by their argument's length; the C unpickler
+# reads every other one too, and some reach past find_class: EXT takes a global from
+# copyreg's process-wide cache (filled by any earlier unpickling) without asking it, INST,
+# OBJ and NEWOBJ_EX call with other arguments. A pickle with any other opcode goes to
+# torch's loader, which refuses it as it always did.
+_STOP, _STR4, _STR1, _GLOBAL, _PUT4 = -2, -3, -4, -5, -6
+_ARG_LEN = [-1] * 256
+for _op, _n in ((pickle.NEWOBJ, 0), (pickle.REDUCE, 0), (pickle.BUILD, 0), (pickle.APPEND, 0), (pickle.APPENDS, 0),
+                (pickle.SETITEM, 0), (pickle.SETITEMS, 0), (pickle.MARK, 0), (pickle.TUPLE, 0), (pickle.TUPLE1, 0),
+                (pickle.TUPLE2, 0), (pickle.TUPLE3, 0), (pickle.NONE, 0), (pickle.NEWFALSE, 0), (pickle.NEWTRUE, 0),
+                (pickle.EMPTY_TUPLE, 0), (pickle.EMPTY_LIST, 0), (pickle.EMPTY_DICT, 0), (pickle.EMPTY_SET, 0),
+                (pickle.BINPERSID, 0), (pickle.BININT, 4), (pickle.BININT1, 1), (pickle.BININT2, 2),
+                (pickle.BINFLOAT, 8), (pickle.BINGET, 1), (pickle.LONG_BINGET, 4), (pickle.BINPUT, 1),
+                (pickle.PROTO, 1), (pickle.STOP, _STOP), (pickle.BINUNICODE, _STR4),
+                (pickle.SHORT_BINSTRING, _STR1), (pickle.LONG1, _STR1), (pickle.GLOBAL, _GLOBAL),
+                (pickle.LONG_BINPUT, _PUT4)):
+    _ARG_LEN[_op[0]] = _n
+_U32 = struct.Struct("<I").unpack_from
+
+
+def _torch_opcodes_only(data: bytes) -> bool:
+    """Whether ``data`` holds only opcodes torch's loader reads, and no memo index past its
+    own length: the C unpickler grows its memo array to twice the largest index and clears
+    it, so LONG_BINPUT 2**32-1 (9 bytes) would make it write 64 GiB; a pickler numbers its
+    memo from 0, one PUT at a time. (A Python loop, about a third of the C pass's time.)"""
+    arg, n, i, find, u32 = _ARG_LEN, len(data), 0, data.find, _U32
+    try:
+        while True:
+            k = arg[data[i]]
+            if k >= 0:
+                i += 1 + k
+            elif k == _STR4:
+                i += 5 + u32(data, i + 1)[0]
+            elif k == _STR1:
+                i += 2 + data[i + 1]
+            elif k == _PUT4:
+                if u32(data, i + 1)[0] >= n:
+                    return False
+                i += 5
+            elif k == _GLOBAL:  # two lines; each find starts past the last, so i only grows
+                j = find(b"\n", i + 1)
+                j = find(b"\n", j + 1) if j > 0 else -1
+                if j < 0:
+                    return False
+                i = j + 1
+            else:
+                return k == _STOP
+    except (IndexError, struct.error):  # an argument past the end: truncated
+        return False
+
+
 _LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.dtype))
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C type, whose attributes nothing can set
 
@@ -117,8 +172,11 @@ class _Stub:
         return f"<tensor {self.size} on {self.storage!r}, not built>"
 
 
+_INT64 = range(-2 ** 63, 2 ** 63)
+
+
 def _ints(xs: Any) -> bool:
-    return type(xs) is tuple and all(type(x) is int for x in xs)
+    return type(xs) is tuple and all(type(x) is int and x in _INT64 for x in xs)
 
 
 # What find_class returns is shared by the whole process (a class, a function, torch's
@@ -217,7 +275,10 @@ class _HeaderUnpickler(pickle.Unpickler):
                          id(u._rebuild_parameter): _Call(self._parameter),
                          id(u._rebuild_parameter_with_state): _Call(self._parameter_with_state)}
         self.others = {id(f) for f in wo._tensor_rebuild_functions()} | {
-            id(torch._tensor._rebuild_from_type_v2), id(torch.nn.Parameter), id(torch.Tensor)}
+            id(torch._tensor._rebuild_from_type_v2), id(torch.nn.Parameter), id(torch.Tensor)} | {
+            # torch.FloatTensor etc. make real tensors, whose __setstate__ (the C unpickler's
+            # BUILD) takes backward hooks; torch's loader calls only set_(*state) on them
+            id(c) for c in torch._tensor_classes}
 
     def find_class(self, module: str, name: str) -> Any:
         # torch's loader reads names as protocol 2 writes them (Python 2 spellings mapped)
@@ -253,7 +314,8 @@ class _HeaderUnpickler(pickle.Unpickler):
         return s
 
     def _stub(self, storage, offset, size, stride, requires_grad, metadata=None) -> _Stub:
-        if (type(storage) is not _Storage or type(offset) is not int or not _ints(size) or not _ints(stride)
+        if (type(storage) is not _Storage or type(offset) is not int or not 0 <= offset < 2 ** 63
+                or not _ints(size) or not _ints(stride)
                 or len(size) != len(stride) or any(n < 0 for n in size) or type(requires_grad) is not bool
                 or metadata or (requires_grad and not (storage.dtype.is_floating_point or storage.dtype.is_complex))):
             raise _NotPlain("a tensor torch.save does not write")
@@ -431,6 +493,8 @@ def header(path: str, index: Any, data: bytes) -> tuple:
     """(local) (the header, None) for a plain torch.save pickle whose checks pass, each
     storage carrying ``_oneload_offset``; (None, what is wrong) when a check fails; (None,
     None) when this pass cannot read the file (then torch's loader does)."""
+    if not _torch_opcodes_only(data):
+        return None, None
     try:
         u = _HeaderUnpickler(data, _allowed())
         obj = u.load()
@@ -458,7 +522,10 @@ def header(path: str, index: Any, data: bytes) -> tuple:
         seen: dict = {}
         reached: set = set()
         deferred = None
-        if type(obj) is dict and isinstance(obj.get(_OPTIMIZER_KEY), dict):
+        # only a plain dict (an OrderedDict stays one) that no other top-level key holds too
+        # (that key would be left holding its tensor records)
+        if type(obj) is dict and type(obj.get(_OPTIMIZER_KEY)) is dict and sum(
+                v is obj[_OPTIMIZER_KEY] for v in obj.values()) == 1:
             deferred = obj[_OPTIMIZER_KEY]
             seen[id(obj)] = obj
             for k, v in obj.items():
