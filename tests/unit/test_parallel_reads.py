@@ -176,3 +176,39 @@ def test_bad_settings_are_refused(monkeypatch):
     monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", "1")
     r = RangeReader()
     assert (r.read_threads, r.split_bytes, r.direct) == (3, 4 * MiB, True)
+
+
+def test_a_forked_child_reads_with_a_pool_of_its_own(saved):
+    """A reader whose pool was started before a fork (a DataLoader worker, a launcher) would
+    hand its pieces to threads that do not exist in the child and wait for ever: the child
+    starts a pool of its own."""
+    import hashlib
+    import select
+    import signal
+
+    ext, ref = _extent(saved), saved[3]
+    want = hashlib.sha256(ref.numpy().tobytes()).digest()
+    with RangeReader(read_threads=4, split_bytes=MiB) as reader:
+        out = torch.empty(ext.numel)
+        reader.read_extent(ext, 0, out, torch.float32)  # the parent's pool is running
+        got = torch.empty(ext.numel)  # allocated here: the child runs no torch op (OpenMP after fork)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            digest = b""
+            try:
+                reader.read_extent(ext, 0, got, torch.float32)
+                digest = hashlib.sha256(got.numpy().tobytes()).digest()
+            finally:
+                os.write(w, digest or b"-")
+                os._exit(0)
+        os.close(w)
+        try:
+            ready, _, _ = select.select([r], [], [], 60)
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+            assert ready, "the forked child's read did not finish within 60 s"
+            assert os.read(r, 64) == want
+        finally:
+            os.close(r)
+            os.waitpid(pid, 0)
