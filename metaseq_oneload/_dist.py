@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Iterator, Optional, Sequence
 
@@ -198,23 +199,37 @@ class Group:
         """(local) Wait for this group's pending operations (``async_op`` collectives,
         ``isend``/``irecv``). A peer that stopped because it lost a rank raises here too,
         through the word it left in the store (:meth:`_tell_lost`): where ranks wait on one
-        another point to point, a survivor may otherwise wait on a survivor that has left."""
+        another point to point, a survivor may otherwise wait on a survivor that has left
+        until the backend's timeout. gloo's point-to-point work says it is complete only
+        once waited for, so the waiting happens on a thread while this one watches."""
         if not works:
             return
         store = self._store() if self._arrival is not None else None
-        nap, checked = 1e-4, time.monotonic()
+        if store is None:
+            with self.guard():
+                for w in works:
+                    w.wait()
+            return
+        done, failed = threading.Event(), []
+
+        def wait():
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001  (raised below, on the calling thread)
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="oneload-wait", daemon=True).start()
         with self.guard():
-            while not all(w.is_completed() for w in works):
-                if store is not None and time.monotonic() - checked > _LOST_POLL:
-                    checked = time.monotonic()
-                    if store.check([f"{self._arrival}/lost"]):
-                        info = json.loads(store.get(f"{self._arrival}/lost"))
-                        e = RuntimeError(f"rank {info['rank']} of the group stopped: {info['cause']}")
-                        raise self._lost(e) from e
-                time.sleep(nap)
-                nap = min(2 * nap, 0.002)
-            for w in works:
-                w.wait()
+            while not done.wait(_LOST_POLL):
+                if store.check([f"{self._arrival}/lost"]):
+                    info = json.loads(store.get(f"{self._arrival}/lost"))
+                    e = RuntimeError(f"rank {info['rank']} of the group stopped: {info['cause']}")
+                    raise self._lost(e) from e  # the waiting thread is left to the backend's timeout
+            if failed:
+                raise failed[0]
 
     def _gone_ranks(self, members: Sequence[int]) -> list:
         """Ranks whose process, recorded at this load's check-in on this host, has ended."""

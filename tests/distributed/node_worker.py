@@ -11,8 +11,10 @@ or missing for a node that sees none).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -28,6 +30,8 @@ def _rchar() -> int:
 
 
 def main() -> None:
+    # `kill -USR1` a hung rank to see where it waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     out_dir, root = sys.argv[1], sys.argv[2]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")

@@ -5,8 +5,10 @@ nodes at most once per node, and every rank ends with exactly the weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import shutil
 import socket
 import subprocess
@@ -34,16 +36,25 @@ def _agents(out: Path, root: Path, timeout: float = 300) -> list:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", METASEQ_ONELOAD_NODE="")
     env.pop("METASEQ_ONELOAD_NODE")
+    # The rendezvous store lives here, not in one of the agents: an agent that hosts it and
+    # is done first takes it away while the other still passes torchrun's exit barrier.
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"oneload-{port}",
+           "--rdzv-conf", "is_host=false",
            "--max-restarts", "0", str(REPO / "tests" / "distributed" / "node_worker.py"), str(out), str(root)]
     logs = [open(out / f"agent{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=logs[i], stderr=subprocess.STDOUT, cwd=REPO) for i in range(2)]
+    # Each agent leads a session of its own: on a hang, its workers go with it.
+    procs = [subprocess.Popen(cmd, env=env, stdout=logs[i], stderr=subprocess.STDOUT, cwd=REPO,
+                              start_new_session=True) for i in range(2)]
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
-            p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
         pytest.fail("the two torchrun agents did not finish: a hang\n" + _tail(out))
     finally:
         for f in logs:
