@@ -19,8 +19,14 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
   tensors, tensors with state, a class used as a value) hands the file to torch's own
   loader. The C unpickler calls nothing but these, and methods of the objects they made:
   ``__setstate__`` (BUILD, as torch's loader does for allowlisted types), ``append``/
-  ``extend`` and ``__setitem__`` (torch's loader allows these on lists and dicts only;
-  here also on a numpy array or omegaconf container, still only allowlisted code).
+  ``extend`` and ``__setitem__``. torch's loader allows these on lists and dicts only, the
+  C unpickler on whatever is on its stack; so the pass hands out only classes whose
+  objects cannot be such a target (plain containers, scalars, ``torch.Size``/``device``),
+  and, through stand-ins that note every object they make, ``argparse.Namespace``,
+  ``OrderedDict`` and ``Counter``; an object of any other class, or one of these with an
+  ``append``/``extend`` attribute (what APPENDS would have called), sends the file to
+  torch's loader, found or not in what the pickle returns. A numpy array, an omegaconf
+  container, a bytearray or a defaultdict is thus always read by torch's loader.
 * the checks of a header read run on the records: every storage has its record, of its
   size; every tensor lies inside its storage.
 * meta tensors are built for everything but the top-level ``last_optimizer_state``, which
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import collections
 import functools
 import io
 import pickle
@@ -214,6 +221,21 @@ class _StorageClass:
 
 
 _GUARDS: set = set()  # ids of the classes _guard made
+# What the stand-ins made in this thread's running pass (None outside one): checked after
+# the pass, as APPENDS/SETITEMS/BUILD may have been aimed at an object the pickle then
+# dropped (an argument a builder ignores, a value a later SETITEM replaced, the stack left
+# at STOP), which no walk of the result finds.
+_MADE = threading.local()
+# Classes whose objects the pass accepts from the stand-ins: torch's loader allows SETITEM
+# on dicts, OrderedDicts and Counters, BUILD on all three; APPEND on none (the C unpickler
+# calls an ``append``/``extend`` attribute a BUILD set, so those names are refused).
+_MADE_OK = frozenset((argparse.Namespace, collections.OrderedDict, collections.Counter))
+# Classes find_class hands out as they are: the C unpickler makes their objects unseen, and
+# none can be a target torch's loader refuses where the C unpickler goes on (no attributes
+# to set, no item assignment; a list's SETITEM is the exception, see below). Every other C
+# class (bytearray, defaultdict, numpy's) and C function (numpy's, _codecs.encode) sends
+# the file to torch's loader.
+_INERT = frozenset((dict, list, tuple, set, int, float, str, bool, complex, torch.Size, torch.device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +245,11 @@ def _guard(real: type) -> type:
     meta = type(real)
 
     def call(cls, *args, **kwargs):
-        return real(*args, **kwargs)
+        obj = real(*args, **kwargs)
+        made = getattr(_MADE, "objs", None)
+        if made is not None:
+            made.append(obj)
+        return obj
 
     def setattr_(cls, name, value):
         if "_oneload_sealed" in cls.__dict__:
@@ -231,7 +257,11 @@ def _guard(real: type) -> type:
         meta.__setattr__(cls, name, value)  # while the class is made (ABCMeta sets its cache)
 
     def new(cls, *args):
-        return real.__new__(real, *args)
+        obj = real.__new__(real, *args)
+        made = getattr(_MADE, "objs", None)
+        if made is not None:
+            made.append(obj)
+        return obj
 
     def setstate(state):
         raise _NotPlain("BUILD on a class")
@@ -251,14 +281,20 @@ def _stand_in(obj: Any) -> Any:
     if obj is typing.Any:
         raise _NotPlain("typing.Any")
     if isinstance(obj, type):
-        return obj if obj.__flags__ & _IMMUTABLE_TYPE else _guard(obj)
+        if obj in _INERT:
+            return obj
+        if obj.__flags__ & _IMMUTABLE_TYPE and obj is not collections.OrderedDict:
+            raise _NotPlain(f"{obj!r}")  # its objects are made unseen (see _INERT)
+        return _guard(obj)
     if isinstance(obj, torch.serialization.StorageType):
         return _StorageClass(obj.dtype)
     if isinstance(obj, (types.FunctionType, types.MethodType)) or hasattr(obj, "__dict__"):
         if not callable(obj):
             raise _NotPlain(f"{obj!r}")
         return _Call(obj)
-    return obj  # a C object without attributes to set: a dtype, a builtin function
+    if callable(obj):
+        raise _NotPlain(f"{obj!r}")  # a C function: what it returns is made unseen
+    return obj  # a C object that is neither called nor built on: a dtype, a qscheme
 
 
 class _HeaderUnpickler(pickle.Unpickler):
@@ -363,6 +399,8 @@ def _allowed_with(process: frozenset) -> dict:
 
 
 _IN_PROGRESS = object()
+_OPAQUE = frozenset((set, complex, torch.device, torch.dtype, torch.qscheme, torch.layout, str, int, float, bool,
+                     bytes, type(None)))
 _IS_LEAF = _LEAVES.__contains__
 
 
@@ -382,11 +420,11 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
         return obj.tensor() if build else obj
     if t is _Storage:
         raise _NotPlain("a storage outside a tensor")
-    if isinstance(obj, (dict, list, argparse.Namespace)):
+    if t in _ENTERED:
         if id(obj) in seen:
             return obj
         seen[id(obj)] = obj
-        d = vars(obj) if isinstance(obj, argparse.Namespace) else obj
+        d = vars(obj) if t is argparse.Namespace else obj
         if _leaves_only(dict.values(d) if isinstance(d, dict) else d):
             return obj
         items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
@@ -398,7 +436,7 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
             if new is not v:
                 d[k] = new  # a value replaced, no key added: iterating on is safe
         return obj
-    if isinstance(obj, tuple):
+    if t is tuple or t is torch.Size:
         if _leaves_only(obj):
             return obj  # the common tuple: a shape
         done = seen.get(id(obj))
@@ -410,13 +448,17 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
         new = tuple(v if type(v) in _LEAVES else _resolve(v, build, seen, reached) for v in obj)
         if all(a is b for a, b in zip(new, obj)):
             new = obj
-        elif t is not tuple:  # a named tuple or torch.Size holding a tensor: not rebuilt here
+        elif t is not tuple:  # a torch.Size holding a tensor: not rebuilt here
             raise _NotPlain(f"a tensor inside a {t.__name__}")
         seen[id(obj)] = new
         return new
     if t is _Call or t is _StorageClass or id(obj) in _GUARDS:
         raise _NotPlain("a global used as a value")  # where torch's loader gives the real one
-    return obj  # not entered (omegaconf containers, numpy, sets): a stub in one is found below
+    if t in _OPAQUE or (t is type and obj in _INERT):
+        return obj  # not entered (sets, OrderedDict attributes): a stub in one is found below
+    # nothing else can come out of the pass (see _INERT); a class added to it without its
+    # objects being vetted here goes to torch's loader rather than through unchecked
+    raise _NotPlain(f"a {t.__name__} in the header")
 
 
 class _Deferred(dict):
@@ -490,17 +532,27 @@ class _Deferred(dict):
         return (dict, (self.copy(),))
 
 
+# the containers the walk enters, by exact type: what a subclass would hold is not vetted
+_ENTERED = frozenset((dict, collections.OrderedDict, collections.Counter, list, argparse.Namespace, _Deferred))
+
+
 def header(path: str, index: Any, data: bytes) -> tuple:
     """(local) (the header, None) for a plain torch.save pickle whose checks pass, each
     storage carrying ``_oneload_offset``; (None, what is wrong) when a check fails; (None,
     None) when this pass cannot read the file (then torch's loader does)."""
     if not _torch_opcodes_only(data):
         return None, None
+    _MADE.objs = made = []
     try:
         u = _HeaderUnpickler(data, _allowed())
         obj = u.load()
     except Exception:  # noqa: BLE001 - refused, or not plain: torch's loader reads it and says why
         return None, None
+    finally:
+        _MADE.objs = None
+    for m in made:  # also what the result no longer holds
+        if type(m) not in _MADE_OK or "extend" in m.__dict__ or "append" in m.__dict__:
+            return None, None
     for s in u.storages.values():
         rec = index.records.get("data/" + s.key)
         if rec is None:

@@ -125,6 +125,15 @@ def test_opcodes_torchs_loader_refuses_go_to_it(what):
     assert _unpickle.header("x.pt", _Index, data) == (None, None)
 
 
+def test_a_pickle_refused_for_its_opcodes_says_so(tmp_path):
+    """Not "a class outside the allowlist": protocol 4 names no class torch refuses."""
+    path = _zip_with_pickle(tmp_path / "p4.pt", _BEYOND_TORCH["FRAME and SHORT_BINUNICODE"])
+    with pytest.raises(UnsafeCheckpointError, match=r"refused to unpickle: the file uses pickle opcodes torch's "
+                                                    r"weights_only loader cannot read \(protocol 4\); re-save it "
+                                                    r"with torch.save's default protocol\. Nothing"):
+        read_header(path)
+
+
 def test_a_legacy_tensor_class_cannot_plant_backward_hooks():
     """torch.FloatTensor(...) makes a real tensor; the C unpickler's BUILD on it calls
     Tensor.__setstate__, which takes (requires_grad, _, hooks) and installs the hooks (any
@@ -176,3 +185,76 @@ def test_a_tensor_torch_cannot_build_goes_to_torchs_loader(geometry):
     good = data.replace(pickle.dumps(offset, 2)[2:-1] + pickle.dumps(size, 2)[2:-1], b"K\x00K\x02\x85", 1)
     good = good.replace(pickle.dumps(stride, 2)[2:-1], b"K\x01\x85", 1)
     assert _unpickle.header("x.pt", _Idx, good)[0]["w"].shape == (2,)  # the same pickle, a tensor torch builds
+
+
+# APPEND(S), SETITEM(S) and BUILD aimed at objects torch's loader refuses them on (it
+# appends to lists only, sets items of dicts, OrderedDicts and Counters only, and builds
+# only allowlisted types); the C unpickler calls `extend`, `__setitem__` or `__setstate__`
+# of whatever is on its stack. Each pickle is made only of allowlisted names and opcodes
+# torch's loader reads.
+_NS = b"cargparse\nNamespace\n)\x81}X\x06\x00\x00\x00extendc__builtin__\nlist\nsb"  # Namespace(extend=list)
+_DIVERGING = {
+    "SETITEM on a numpy array": pickle.dumps(__import__("numpy").zeros(2), 2)[:-1] + b"K\x00K\x07s.",
+    "SETITEMS on a defaultdict": (b"\x80\x02ccollections\ndefaultdict\nc__builtin__\nlist\n\x85R"
+                                  b"(X\x01\x00\x00\x00aK\x01u."),
+    "APPENDS on a bytearray": b"\x80\x02c__builtin__\nbytearray\n)R(K\x01K\x02e.",
+    "SETITEM on a bytearray": b"\x80\x02c__builtin__\nbytearray\nK\x02\x85RK\x00K\x07s.",
+    "APPENDS on a Namespace whose extend a BUILD set": b"\x80\x02" + _NS + b"(K\x01e.",
+    # the Namespace is then dropped: {"a": Namespace} becomes {"a": 1}; no walk of the result sees it
+    "APPENDS on a Namespace the pickle drops": (b"\x80\x02}(X\x01\x00\x00\x00a" + _NS
+                                                 + b"(K\x01eX\x01\x00\x00\x00aK\x01u."),
+    "APPEND on an OrderedDict whose append a BUILD set": (b"\x80\x02ccollections\nOrderedDict\n)R}X\x06\x00\x00\x00"
+                                                          b"appendc__builtin__\nint\nsbK\x01a."),
+    "BUILD on a numpy scalar": pickle.dumps(__import__("numpy").float64(1.5), 2)[:-1] + b"}b.",
+}
+
+
+@pytest.mark.parametrize("what", sorted(_DIVERGING))
+def test_what_torchs_loader_refuses_to_append_set_or_build_is_refused(tmp_path, what):
+    """Only allowlisted code runs either way, but the file must be refused as torch.load
+    refuses it: the one pass hands it to torch's loader, whose refusal read_header reports."""
+    data = _DIVERGING[what]
+    pickle.loads(data)  # the C unpickler reads it
+    with pytest.raises(pickle.UnpicklingError):
+        _torch_reads(data)
+    assert _unpickle.header("x.pt", _Index, data) == (None, None)
+    with pytest.raises(UnsafeCheckpointError, match=r"refused to unpickle: the file asks torch's weights_only "
+                                                    r"loader for what it refuses \(Can only "):
+        read_header(_zip_with_pickle(tmp_path / "d.pt", data))
+
+
+def test_an_omegaconf_container_goes_to_torchs_loader_and_comes_back_as_torch_reads_it(tmp_path):
+    """A DictConfig (an item set after its BUILD refused; as written, the object torch reads)."""
+    omegaconf = pytest.importorskip("omegaconf")
+    written = pickle.dumps(omegaconf.OmegaConf.create({"a": 1}), 2)
+    assert _unpickle.header("x.pt", _Index, written) == (None, None)
+    header = read_header(_zip_with_pickle(tmp_path / "o.pt", written))
+    assert type(header) is omegaconf.DictConfig and header == _torch_reads(written) == {"a": 1}
+    data = written[:-1] + b"X\x01\x00\x00\x00bK\x02s."
+    assert pickle.loads(data) == {"a": 1, "b": 2}
+    with pytest.raises(pickle.UnpicklingError):
+        _torch_reads(data)
+    assert _unpickle.header("x.pt", _Index, data) == (None, None)
+    with pytest.raises(UnsafeCheckpointError):
+        read_header(_zip_with_pickle(tmp_path / "o2.pt", data))
+
+
+@pytest.mark.parametrize("value", ["empty", "filled"])
+def test_a_defaultdict_reads_as_torch_reads_it(tmp_path, value):
+    """torch.save of a defaultdict: an empty one torch's loader reads (to the same object
+    here), a filled one it refuses (SETITEMS), and so does read_header."""
+    d = collections.defaultdict(list, {} if value == "empty" else {"a": [1]})
+    path = tmp_path / "dd.pt"
+    torch.save({"model": {}, "d": d}, path)
+    _reading._cached_header.cache_clear()
+    if value == "filled":
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(path, weights_only=True)
+        with pytest.raises(UnsafeCheckpointError):
+            read_header(str(path))
+        return
+    with _reading._allowlisted():
+        expected = torch.load(path, weights_only=True)
+    header = read_header(str(path))
+    assert type(header["d"]) is collections.defaultdict and header["d"].default_factory is list
+    assert header == expected
