@@ -141,14 +141,31 @@ def _allowlisted():
                 _ALLOWLIST_ADDED = []
 
 
-def _describe_unsafe(path: str) -> str:
+def _describe_unsafe(path: str, error: str = "") -> str:
+    """What torch's weights_only loader refused in the file (``error``: its message), as the
+    rest of the sentence "refused to unpickle: ..."."""
+    if "Unsupported operand" in error:  # e.g. protocol 4's FRAME: no class involved at all
+        proto = ""
+        try:  # best effort: the PROTO opcode that starts the pickle of a local file
+            if not _storage.is_url(path):
+                with zipfile.ZipFile(path) as z:
+                    head = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))[:2]
+                proto = f" (protocol {head[1]})" if head[:1] == b"\x80" else ""
+        except Exception:  # noqa: BLE001 - the refusal stands either way
+            pass
+        return (f"the file uses pickle opcodes torch's weights_only loader cannot read{proto}; re-save it with "
+                "torch.save's default protocol")
     try:
         with _allowlisted():
             names = torch.serialization.get_unsafe_globals_in_checkpoint(
                 _storage.RemoteFile(path) if _storage.is_url(path) else path)
     except Exception:  # the scan is best effort; the refusal stands either way
         names = []
-    return ", ".join(names) if names else "a class outside the allowlist"
+    if not names and "WeightsUnpickler error: " in error:  # allowlisted names, used in a way it refuses
+        why = next((ln.strip() for ln in error.split("WeightsUnpickler error: ", 1)[1].splitlines() if ln.strip()), "")
+        return f"the file asks torch's weights_only loader for what it refuses ({why})"
+    return (f"the file needs {', '.join(names) if names else 'a class outside the allowlist'}, which is not on "
+            "the allowlist of classes that metaseq/fairseq checkpoints carry")
 
 
 def _file_kind(path: str) -> str:
@@ -683,8 +700,7 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
     except pickle.UnpicklingError as e:
         if "weights only" in str(e).lower() or "weights_only" in str(e):
             raise UnsafeCheckpointError(
-                f"{path}: refused to unpickle: the file needs {_describe_unsafe(path)}, which is "
-                "not on the allowlist of classes that metaseq/fairseq checkpoints carry. Nothing "
+                f"{path}: refused to unpickle: {_describe_unsafe(path, str(e))}. Nothing "
                 "from the file was executed. If you trust this file and its author, load it with "
                 "trust_pickle=True (CLI: --trust-pickle); that runs whatever code the pickle holds."
             ) from None
