@@ -26,7 +26,11 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
   ``OrderedDict`` and ``Counter``; an object of any other class, or one of these with an
   ``append``/``extend`` attribute (what APPENDS would have called), sends the file to
   torch's loader, found or not in what the pickle returns. A numpy array, an omegaconf
-  container, a bytearray or a defaultdict is thus always read by torch's loader.
+  container, a bytearray, a defaultdict or an object of a class the process allowlisted is
+  thus always read by torch's loader. Left as the C unpickler reads them: SETITEM(S) on a
+  list, APPENDS/SETITEMS with no items, BUILD with an empty state (on a tuple, None, a
+  dtype); torch's loader refuses them, they change nothing, and telling them apart needs
+  to know what is on the stack, which the scan does not track.
 * the checks of a header read run on the records: every storage has its record, of its
   size; every tensor lies inside its storage.
 * meta tensors are built for everything but the top-level ``last_optimizer_state``, which
@@ -202,7 +206,11 @@ class _Call:
         self.fn = fn
 
     def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        obj = self.fn(*args, **kwargs)
+        made = getattr(_MADE, "objs", None)
+        if made is not None:
+            made.append(obj)
+        return obj
 
     def __setstate__(self, state):
         raise _NotPlain("BUILD on a function")
@@ -221,7 +229,8 @@ class _StorageClass:
 
 
 _GUARDS: set = set()  # ids of the classes _guard made
-# What the stand-ins made in this thread's running pass (None outside one): checked after
+# What the stand-ins (classes and functions) made in this thread's running pass (None
+# outside one): checked after
 # the pass, as APPENDS/SETITEMS/BUILD may have been aimed at an object the pickle then
 # dropped (an argument a builder ignores, a value a later SETITEM replaced, the stack left
 # at STOP), which no walk of the result finds.
@@ -551,8 +560,11 @@ def header(path: str, index: Any, data: bytes) -> tuple:
     finally:
         _MADE.objs = None
     for m in made:  # also what the result no longer holds
-        if type(m) not in _MADE_OK or "extend" in m.__dict__ or "append" in m.__dict__:
-            return None, None
+        t = type(m)
+        if t is _Stub or t in _OPAQUE or t is tuple or t is torch.Size:
+            continue  # no attributes to set, no items; a stub refuses BUILD
+        if t not in _MADE_OK or "extend" in m.__dict__ or "append" in m.__dict__:
+            return None, None  # e.g. an allowlisted function's bytearray, a user's safe class
     for s in u.storages.values():
         rec = index.records.get("data/" + s.key)
         if rec is None:

@@ -258,3 +258,21 @@ def test_a_defaultdict_reads_as_torch_reads_it(tmp_path, value):
     header = read_header(str(path))
     assert type(header["d"]) is collections.defaultdict and header["d"].default_factory is list
     assert header == expected
+
+
+def _a_bytearray():
+    return bytearray()
+
+
+def test_what_a_process_allowlisted_function_makes_is_vetted_even_when_dropped():
+    """A function the process allowlisted (torch.serialization.add_safe_globals) may return
+    anything; here a bytearray that APPENDS fills and a later SETITEM drops."""
+    name = f"{_a_bytearray.__module__}\n{_a_bytearray.__qualname__}\n".encode()
+    data = b"\x80\x02}(X\x01\x00\x00\x00ac" + name + b")R(K\x01eX\x01\x00\x00\x00aK\x01u."
+    with torch.serialization.safe_globals([_a_bytearray]):
+        with pytest.raises(pickle.UnpicklingError, match="Can only extend lists"):
+            _torch_reads(data)
+        assert _unpickle.header("x.pt", _Index, data) == (None, None)
+        # unfilled, torch's loader reads it; the pass cannot tell, so it hands that on too
+        plain = data.replace(b"(K\x01e", b"")
+        assert _torch_reads(plain) == {"a": 1} and _unpickle.header("x.pt", _Index, plain) == (None, None)
