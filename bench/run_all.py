@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHES = ["inspect_cost.py", "load_bench.py", "convert_bench.py", "hf_t5_bench.py"]
+BENCHES = ["inspect_cost.py", "load_bench.py", "convert_bench.py", "hf_t5_bench.py", "discovery_scale.py",
+           "read_bandwidth.py", "storage_bytes.py", "two_nodes.py"]
 
 if __name__ == "__main__":
     failed = 0

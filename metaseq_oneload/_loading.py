@@ -214,6 +214,42 @@ def _fill_block(c: BlockCopy, out: torch.Tensor, start: int, stop: int, reader) 
                 out[lo - start: hi - start].copy_(block[r - r0, lo - p0: hi - p0])
 
 
+def _plain_runs(target: TargetTensor) -> bool:
+    """Whether every element of ``target`` is read by offset, with no block copies and no
+    file read whole (legacy): such fills touch nothing shared but the reader's descriptors."""
+    return all(isinstance(c, FlatCopy) and all(e.byte_offset is not None for e in c.src.extents)
+               for c in target.copies)
+
+
+def _fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader, progress,
+              threads: Optional[int] = None) -> None:
+    """(local) Fill every want. Wants read by plain offsets go a few at a time, so that the
+    reads (and page faults) of many small tensors overlap as one large tensor's pieces do
+    inside the reader; the others, and progress, stay on this thread."""
+    threads = threads or min(4, getattr(reader, "read_threads", 1))
+    pooled = [w for w in wants if threads > 1 and _plain_runs(targets[w.name])]
+    ids = {id(w) for w in pooled}
+    for w in wants:
+        if id(w) not in ids:
+            _fill(targets[w.name], w.out, w.start, reader)
+            if progress:
+                progress(w.out.numel() * w.out.element_size())
+    if not pooled:
+        return
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="oneload-fill")
+    try:
+        futures = {pool.submit(_fill, targets[w.name], w.out, w.start, reader): w for w in pooled}
+        for f in as_completed(futures):
+            f.result()  # the first failure stops the fill, as a serial one would
+            if progress:
+                w = futures[f]
+                progress(w.out.numel() * w.out.element_size())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class _MmapReader:
     """Reads the same elements through ``torch.load(mmap=True)``: the independent path
     ``verify=True`` checks the byte arithmetic against."""
@@ -828,10 +864,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
                                              [nodes.index(n) for n in nodes])
             else:
                 try:
-                    for w in wants:
-                        _fill(targets[w.name], w.out, w.start, reader)
-                        if progress:
-                            progress(w.out.numel() * w.out.element_size())
+                    _fill_all(targets, wants, reader, progress)
                 except Exception as e:
                     error = e
         settle(groups, error, f"loading {path}: reading")

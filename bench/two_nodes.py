@@ -1,0 +1,156 @@
+"""The two-node simulation: two torchrun agents on this machine (``--nnodes 2
+--nproc-per-node 2``, a c10d rendezvous on 127.0.0.1), each node seeing its own copy of a
+synthetic metaseq checkpoint (or node 1 seeing none), full weights on every rank.
+
+    .venv/bin/python bench/two_nodes.py [--gib 0.25 0.5] [--json]
+
+Per run: storage bytes read summed over the 4 ranks / model bytes, by the engine's count
+(``LoadReport.bytes_read``) and by the kernel's (``/proc/self/io`` ``rchar``, which counts
+gloo's socket reads as well: the column beside it takes off what crossed between the nodes),
+bytes that crossed into each node / model bytes, the sum of peak RSS above the baseline /
+model bytes, and the wall time of the slowest rank. Beside it, in the same run, every rank
+loading alone (``no_dist=True``: each rank reads the whole model, as ``torch.load`` on every
+rank would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _io(field: str) -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def worker(out: str, root: str, scenario: str, mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    import metaseq_oneload as mo
+
+    node = int(os.environ["GROUP_RANK"])
+    folder = f"node{node}" if scenario == "own copies" or node == 0 else "nowhere"
+    path = os.path.join(root, folder, "synth.pt")
+    mo.inspect(os.path.join(root, "node0", "synth.pt"))  # imports and first-use costs off the clock
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    dist.barrier()
+    base, rchar, t0 = _status("VmRSS"), _io("rchar"), time.perf_counter()
+    lc = mo.load_checkpoint(path, no_dist=mode != "oneload")
+    seconds = time.perf_counter() - t0
+    read_sys = _io("rchar") - rchar
+    dist.barrier()
+    peak = _status("VmHWM") - base
+    rank = dist.get_rank()
+    r = lc.report
+    row = {"rank": rank, "node": node, "seconds": seconds, "rchar": read_sys, "peak": peak, "read": r.bytes_read,
+           "crossed": r.bytes_from_other_nodes, "strategy": r.strategy}
+    with open(os.path.join(out, f"{scenario.replace(' ', '_')}-{mode}-{rank}.json"), "w") as f:
+        json.dump(row, f)
+    del lc
+    dist.destroy_process_group()
+
+
+def _agents(out: str, root: str, scenario: str, mode: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch.distributed as dist
+
+    # The rendezvous store lives here (an agent hosting it may leave before the other's exit barrier).
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{port}",
+           "--rdzv-conf", "is_host=false",
+           "--max-restarts", "0", os.path.abspath(__file__), "--worker", out, root, scenario, mode]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    errs = [p.communicate()[1] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{scenario}/{mode} failed:\n" + "\n".join(e.decode()[-3000:] for e in errs))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, nargs="+", default=[0.25, 0.5])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    from bench._synth import metaseq_lm, model_shape, write_metaseq
+
+    rows = []
+    for gib in args.gib:
+        tmp = tempfile.mkdtemp(prefix="oneload-two-nodes-")
+        try:
+            sh = model_shape(gib)
+            write_metaseq(os.path.join(tmp, "node0", "synth"),
+                          metaseq_lm(sh["layers"], sh["dim"], sh["ffn"], sh["vocab"], sh["positions"]))
+            shutil.copytree(os.path.join(tmp, "node0"), os.path.join(tmp, "node1"))
+            size = os.path.getsize(os.path.join(tmp, "node0", "synth.pt"))
+            for scenario, mode in (("own copies", "oneload"), ("node 1 sees none", "oneload"),
+                                   ("own copies", "every rank alone")):
+                out = os.path.join(tmp, "out")
+                os.makedirs(out, exist_ok=True)
+                _agents(out, tmp, scenario, mode)
+                per = [json.load(open(os.path.join(out, f"{scenario.replace(' ', '_')}-{mode}-{r}.json")))
+                       for r in range(4)]
+                rows.append({"gib": gib, "scenario": scenario, "mode": mode, "strategy": per[0]["strategy"],
+                             "read_over_model": round(sum(p["read"] for p in per) / size, 3),
+                             "crossed_per_node_over_model": [
+                                 round(sum(p["crossed"] for p in per if p["node"] == n) / size, 3) for n in (0, 1)],
+                             "rchar_over_model": round(sum(p["rchar"] for p in per) / size, 2),
+                             "peak_over_model": round(sum(p["peak"] for p in per) / size, 2),
+                             "seconds": round(max(p["seconds"] for p in per), 2)})
+                print(f"  done: {gib} GiB {scenario} {mode}: {rows[-1]}", file=sys.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    header = ["GiB", "files", "how", "strategy", "read / model", "crossed into node 0, 1 / model",
+              "rchar / model (incl. sockets)", "sum of peaks / model", "wall s"]
+    body = [[r["gib"], r["scenario"], r["mode"], r["strategy"], f"{r['read_over_model']:.2f}x",
+             " ".join(f"{x:.2f}x" for x in r["crossed_per_node_over_model"]), f"{r['rchar_over_model']:.2f}x",
+             f"{r['peak_over_model']:.2f}x", f"{r['seconds']:.2f}"] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    for i, line in enumerate([header] + body):
+        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
