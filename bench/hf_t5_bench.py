@@ -28,6 +28,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._report import proc_status  # noqa: E402
+
 MODES = {
     "hf": "every rank T5ForConditionalGeneration.from_pretrained (the example as written)",
     "hf+fsdp2": "every rank from_pretrained, then fully_shard",
@@ -35,14 +39,6 @@ MODES = {
     "ours+fsdp2": "oneload.from_pretrained(fsdp=fully_shard_blocks()): each rank reads its shard",
     "ours+fsdp2/bcast": "the same, rank 0 reads and broadcasts (32 MiB buckets)",
 }
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _reset_peak() -> None:
@@ -64,7 +60,7 @@ def _worker(rank: int, world: int, init_file: str, mode: str, folder: str, queue
         gc.collect()
         dist.barrier()
         _reset_peak()
-        base, base_anon = _status("VmHWM"), _status("RssAnon")
+        base, base_anon = proc_status("VmHWM"), proc_status("RssAnon")
         dist.barrier()
         t0 = time.perf_counter()
         if mode.startswith("hf"):
@@ -79,7 +75,7 @@ def _worker(rank: int, world: int, init_file: str, mode: str, folder: str, queue
         gc.collect()
         dist.barrier()
         seconds = time.perf_counter() - t0
-        peak = _status("VmHWM")
+        peak = proc_status("VmHWM")
         locals_ = [p.to_local() if _is_dtensor(p) else p for p in model.parameters()]
         held = sum(t.numel() * t.element_size() for t in locals_)
         # What training will own: the first optimizer step writes every parameter, and a
@@ -89,8 +85,8 @@ def _worker(rank: int, world: int, init_file: str, mode: str, folder: str, queue
                 t.add_(0)
         gc.collect()
         dist.barrier()
-        queue.put({"rank": rank, "base": base, "base_anon": base_anon, "peak": peak, "peak_written": _status("VmHWM"),
-                   "anon_written": _status("RssAnon"), "held": held, "seconds": seconds})
+        queue.put({"rank": rank, "base": base, "base_anon": base_anon, "peak": peak, "peak_written": proc_status("VmHWM"),
+                   "anon_written": proc_status("RssAnon"), "held": held, "seconds": seconds})
         dist.destroy_process_group()
     except BaseException as e:  # the parent reports it
         import traceback

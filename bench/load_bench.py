@@ -32,15 +32,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._report import print_table, proc_status  # noqa: E402
+
 from bench._synth import metaseq_lm, model_shape, write_metaseq  # noqa: E402
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _measure(fn) -> tuple:
@@ -52,12 +46,12 @@ def _measure(fn) -> tuple:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     dist.barrier()
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     t0 = time.perf_counter()
     keep = fn()
     seconds = time.perf_counter() - t0
     dist.barrier()
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     del keep
     return peak - base, seconds
 
@@ -191,11 +185,7 @@ def main(argv=None) -> int:
     header = ["run", "source", "W", "strategy", "peak above baseline per rank (MiB)", "sum / model", "wall s"]
     body = [[r["run"], r["source"], r["world"], r["strategy"], " ".join(map(str, r["per_rank_mib"])),
              f"{r['sum_over_model']:.2f}x", f"{r['seconds']:.2f}"] for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    for i, line in enumerate([header] + body):
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(header, body)
     return 0
 
 

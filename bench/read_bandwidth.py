@@ -37,12 +37,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench._report import print_table, proc_io  # noqa: E402
+
 MiB = 1 << 20
-
-
-def _io() -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
 def _drop_cache(path: str) -> None:
@@ -76,7 +73,7 @@ def _child(mode: str, path: str, threads: int) -> dict:
     oneload.load_state_dict, safe_globals()
 
     size = os.path.getsize(path)
-    before = _io()
+    before = proc_io()
     t0 = time.perf_counter()
     if mode.startswith("preadv"):
         buf = torch.empty(size, dtype=torch.uint8)
@@ -103,7 +100,7 @@ def _child(mode: str, path: str, threads: int) -> dict:
     else:
         raise ValueError(mode)
     seconds = time.perf_counter() - t0
-    after = _io()
+    after = proc_io()
     return {"seconds": seconds, "delivered": delivered,
             "rchar": after["rchar"] - before["rchar"], "read_bytes": after["read_bytes"] - before["read_bytes"]}
 
@@ -226,11 +223,7 @@ def main(argv=None) -> int:
     body = [[r["cache"], r["run"], f"{r['best_s']:.2f}", f"{r['median_s']:.2f}", f"{r['gib_per_s']:.2f}",
              f"{r['over_preadv_limit']:.2f}x" if r.get("over_preadv_limit") else "-",
              "-" if r["read_bytes_mib"] is None else str(r["read_bytes_mib"])] for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    for i, line in enumerate([header] + body):
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(header, body)
     return 0
 
 

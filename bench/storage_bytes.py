@@ -63,25 +63,14 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench._report import proc_io, proc_status  # noqa: E402
+
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
             "torch.distributed.checkpoint.state_dict", "safetensors.torch", "metaseq_oneload",
             "metaseq_oneload._loading"]
 
 
 # --------------------------------------------------------------------------- measuring (in a rank)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _io() -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
 def _measure(fn) -> dict:
@@ -93,14 +82,14 @@ def _measure(fn) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     dist.barrier()
-    base = _status("VmRSS")
-    io0 = _io()
+    base = proc_status("VmRSS")
+    io0 = proc_io()
     t0 = time.perf_counter()
     keep = fn()
     seconds = time.perf_counter() - t0
-    io1 = _io()
+    io1 = proc_io()
     dist.barrier()
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     extra = keep.get("report") if isinstance(keep, dict) else None
     del keep
     return {"extra": peak - base, "seconds": seconds, "rchar": io1["rchar"] - io0["rchar"],

@@ -29,21 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _io(field: str) -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from bench._report import print_table, proc_io, proc_status  # noqa: E402
 
 
 def worker(out: str, root: str, scenario: str, mode: str) -> None:
@@ -63,12 +49,12 @@ def worker(out: str, root: str, scenario: str, mode: str) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     dist.barrier()
-    base, rchar, t0 = _status("VmRSS"), _io("rchar"), time.perf_counter()
+    base, rchar, t0 = proc_status("VmRSS"), proc_io()["rchar"], time.perf_counter()
     lc = mo.load_checkpoint(path, no_dist=mode != "oneload")
     seconds = time.perf_counter() - t0
-    read_sys = _io("rchar") - rchar
+    read_sys = proc_io()["rchar"] - rchar
     dist.barrier()
-    peak = _status("VmHWM") - base
+    peak = proc_status("VmHWM") - base
     rank = dist.get_rank()
     r = lc.report
     row = {"rank": rank, "node": node, "seconds": seconds, "rchar": read_sys, "peak": peak, "read": r.bytes_read,
@@ -144,11 +130,7 @@ def main(argv=None) -> int:
     body = [[r["gib"], r["scenario"], r["mode"], r["strategy"], f"{r['read_over_model']:.2f}x",
              " ".join(f"{x:.2f}x" for x in r["crossed_per_node_over_model"]), f"{r['rchar_over_model']:.2f}x",
              f"{r['peak_over_model']:.2f}x", f"{r['seconds']:.2f}"] for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    for i, line in enumerate([header] + body):
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(header, body)
     return 0
 
 
