@@ -216,6 +216,15 @@ class _Call:
         raise _NotPlain("BUILD on a function")
 
 
+class _Builder(_Call):
+    """One of our tensor builders: what it makes is a stub, tracked in ``stubs``."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
 class _StorageClass:
     """torch's ``FloatStorage`` etc. in a persistent id: the dtype it names."""
 
@@ -317,9 +326,9 @@ class _HeaderUnpickler(pickle.Unpickler):
         wo = torch._weights_only_unpickler
         self.blocked = wo._blocklisted_modules
         u = torch._utils
-        self.builders = {id(u._rebuild_tensor_v2): _Call(self._tensor_v2), id(u._rebuild_tensor): _Call(self._tensor),
-                         id(u._rebuild_parameter): _Call(self._parameter),
-                         id(u._rebuild_parameter_with_state): _Call(self._parameter_with_state)}
+        self.builders = {id(u._rebuild_tensor_v2): _Builder(self._tensor_v2),
+                         id(u._rebuild_tensor): _Builder(self._tensor), id(u._rebuild_parameter): _Builder(self._parameter),
+                         id(u._rebuild_parameter_with_state): _Builder(self._parameter_with_state)}
         self.others = {id(f) for f in wo._tensor_rebuild_functions()} | {
             id(torch._tensor._rebuild_from_type_v2), id(torch.nn.Parameter), id(torch.Tensor)} | {
             # torch.FloatTensor etc. make real tensors, whose __setstate__ (the C unpickler's
@@ -461,7 +470,7 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
             raise _NotPlain(f"a tensor inside a {t.__name__}")
         seen[id(obj)] = new
         return new
-    if t is _Call or t is _StorageClass or id(obj) in _GUARDS:
+    if t is _Call or t is _Builder or t is _StorageClass or id(obj) in _GUARDS:
         raise _NotPlain("a global used as a value")  # where torch's loader gives the real one
     if t in _OPAQUE or (t is type and obj in _INERT):
         return obj  # not entered (sets, OrderedDict attributes): a stub in one is found below
