@@ -29,3 +29,31 @@ def print_table(header: Sequence[str], body: Sequence[Sequence]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def measure_rank(fn) -> dict:
+    """(every rank of the default group, collective) Run ``fn()`` between barriers: the peak
+    RSS above the RSS just before (freed heap handed back first, the peak reset through
+    /proc/self/clear_refs, so the baseline counts only live memory), the /proc/self/io
+    deltas, the seconds, and ``fn()``'s ``"report"`` where it returns a dict with one."""
+    import ctypes
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    dist.barrier()
+    base, io0, t0 = proc_status("VmRSS"), proc_io(), time.perf_counter()
+    keep = fn()
+    seconds = time.perf_counter() - t0
+    io1 = proc_io()
+    dist.barrier()
+    peak = proc_status("VmHWM")
+    report = keep.get("report") if isinstance(keep, dict) else None
+    del keep
+    return {"extra": peak - base, "seconds": seconds, "rchar": io1["rchar"] - io0["rchar"],
+            "read_bytes": io1["read_bytes"] - io0["read_bytes"], "report": report}

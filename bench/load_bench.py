@@ -16,9 +16,7 @@ broadcast_from_rank0=True))`` into the same FSDP2-sharded module.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import gc
 import json
 import os
 import shutil
@@ -32,28 +30,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._report import print_table, proc_status  # noqa: E402
+from bench._report import measure_rank, print_table  # noqa: E402
 
 from bench._synth import metaseq_lm, model_shape, write_metaseq  # noqa: E402
 
 
 def _measure(fn) -> tuple:
     """(bytes of peak RSS above the RSS before, seconds) of ``fn()`` on this rank."""
-    gc.collect()
-    # Hand freed heap pages back to the OS, so that the baseline counts only live memory
-    # (otherwise an output may land in pages already resident and read as less than 1x).
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    dist.barrier()
-    base = proc_status("VmRSS")
-    t0 = time.perf_counter()
-    keep = fn()
-    seconds = time.perf_counter() - t0
-    dist.barrier()
-    peak = proc_status("VmHWM")
-    del keep
-    return peak - base, seconds
+    m = measure_rank(fn)
+    return m["extra"], m["seconds"]
 
 
 def _fsdp2_model(dims):

@@ -48,9 +48,7 @@ What the columns mean:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import gc
 import json
 import multiprocessing
 import os
@@ -63,7 +61,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench._report import proc_io, proc_status  # noqa: E402
+from bench._report import measure_rank  # noqa: E402
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
             "torch.distributed.checkpoint.state_dict", "safetensors.torch", "metaseq_oneload",
@@ -73,27 +71,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch
 # --------------------------------------------------------------------------- measuring (in a rank)
 
 
-def _measure(fn) -> dict:
-    """Peak RSS above the RSS before, /proc/self/io deltas and seconds of ``fn()`` on this rank."""
-    import torch.distributed as dist
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    dist.barrier()
-    base = proc_status("VmRSS")
-    io0 = proc_io()
-    t0 = time.perf_counter()
-    keep = fn()
-    seconds = time.perf_counter() - t0
-    io1 = proc_io()
-    dist.barrier()
-    peak = proc_status("VmHWM")
-    extra = keep.get("report") if isinstance(keep, dict) else None
-    del keep
-    return {"extra": peak - base, "seconds": seconds, "rchar": io1["rchar"] - io0["rchar"],
-            "read_bytes": io1["read_bytes"] - io0["read_bytes"], "report": extra}
+_measure = measure_rank
 
 
 def _fsdp2_model(dims):
