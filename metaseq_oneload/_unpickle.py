@@ -239,10 +239,9 @@ class _StorageClass:
 
 _GUARDS: set = set()  # ids of the classes _guard made
 # What the stand-ins (classes and functions) made in this thread's running pass (None
-# outside one): checked after
-# the pass, as APPENDS/SETITEMS/BUILD may have been aimed at an object the pickle then
-# dropped (an argument a builder ignores, a value a later SETITEM replaced, the stack left
-# at STOP), which no walk of the result finds.
+# outside one): checked after the pass, as APPENDS/SETITEMS/BUILD may have been aimed at an
+# object the pickle then dropped (an argument a builder ignores, a value a later SETITEM
+# replaced, the stack left at STOP), which no walk of the result finds.
 _MADE = threading.local()
 # Classes whose objects the pass accepts from the stand-ins: torch's loader allows SETITEM
 # on dicts, OrderedDicts and Counters, BUILD on all three; APPEND on none (the C unpickler
@@ -250,9 +249,9 @@ _MADE = threading.local()
 _MADE_OK = frozenset((argparse.Namespace, collections.OrderedDict, collections.Counter))
 # Classes find_class hands out as they are: the C unpickler makes their objects unseen, and
 # none can be a target torch's loader refuses where the C unpickler goes on (no attributes
-# to set, no item assignment; a list's SETITEM is the exception, see below). Every other C
-# class (bytearray, defaultdict, numpy's) and C function (numpy's, _codecs.encode) sends
-# the file to torch's loader.
+# to set, no item assignment; a list's SETITEM is the exception, see the module docstring).
+# Every other C class (bytearray, defaultdict, numpy's) and C function (numpy's,
+# _codecs.encode) sends the file to torch's loader.
 _INERT = frozenset((dict, list, tuple, set, int, float, str, bool, complex, torch.Size, torch.device))
 
 
@@ -570,8 +569,8 @@ def header(path: str, index: Any, data: bytes) -> tuple:
         _MADE.objs = None
     for m in made:  # also what the result no longer holds
         t = type(m)
-        if t is _Stub or t in _OPAQUE or t is tuple or t is torch.Size:
-            continue  # no attributes to set, no items; a stub refuses BUILD
+        if t is _Stub or t in _OPAQUE or t in _INERT:
+            continue  # as if the pickle had written it (a stub refuses BUILD)
         if t not in _MADE_OK or "extend" in m.__dict__ or "append" in m.__dict__:
             return None, None  # e.g. an allowlisted function's bytearray, a user's safe class
     for s in u.storages.values():
