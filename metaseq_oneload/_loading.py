@@ -59,6 +59,7 @@ from ._layout import CheckpointLayout, StoredTensor
 from .formats import adopt, discover, to_wire
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
 from ._reading import RangeReader
+from ._storage import is_url
 
 __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
 
@@ -215,9 +216,12 @@ def _fill_block(c: BlockCopy, out: torch.Tensor, start: int, stop: int, reader) 
 
 
 def _plain_runs(target: TargetTensor) -> bool:
-    """Whether every element of ``target`` is read by offset, with no block copies and no
-    file read whole (legacy): such fills touch nothing shared but the reader's descriptors."""
-    return all(isinstance(c, FlatCopy) and all(e.byte_offset is not None for e in c.src.extents)
+    """Whether every element of ``target`` is read by offset from a local file, with no
+    block copies and no file read whole (legacy): such fills touch nothing shared but the
+    reader's descriptors. (URLs keep one fill at a time: their reads already go in parallel
+    requests, and small reads that follow each other share one.)"""
+    return all(isinstance(c, FlatCopy) and all(e.byte_offset is not None and not is_url(e.path)
+                                               for e in c.src.extents)
                for c in target.copies)
 
 
