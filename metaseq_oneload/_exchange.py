@@ -298,6 +298,32 @@ class _Segments:
         return self.maps[rank][start: start + nbytes].view(dtype)
 
 
+_COPY_PIECE = 8 << 20
+_copiers: dict = {}  # pid -> pool: a forked child makes its own
+
+
+def _copy_all(pairs: Sequence, threads: int) -> None:
+    """(local) ``dst.copy_(src)`` for every pair, large copies cut in pieces that run on a
+    few threads (a copy releases the GIL): a memory copy on one thread is slower than the
+    reader's parallel ``preadv`` of the same bytes out of the page cache."""
+    pieces = []
+    for dst, src in pairs:
+        n = dst.numel()
+        step = max(1, _COPY_PIECE // max(1, dst.element_size()))
+        pieces += [(dst[i: i + step], src[i: i + step]) for i in range(0, n, step)]
+    if threads <= 1 or len(pieces) <= 1:
+        for dst, src in pieces:
+            dst.copy_(src)
+        return
+    pool = _copiers.get(os.getpid())
+    if pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _copiers[os.getpid()] = ThreadPoolExecutor(threads, thread_name_prefix="oneload-copy")
+    for f in [pool.submit(dst.copy_, src) for dst, src in pieces]:
+        f.result()
+
+
 def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequence, reader,
                   fill: Callable, progress, node_of: Sequence[int]) -> tuple:
     """(collective over ``dp``) Carry out ``plan``. Returns (this rank's error or None,
@@ -309,6 +335,7 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     neighbours copy them straight into their tensors once a collective says they are there
     (the round's check that every read succeeded, and one more before relayed pieces)."""
     me = dp.rank
+    threads = min(4, getattr(reader, "read_threads", 1)) if reader is not None else 1
     by_name: dict = {}
     for w in wants:
         by_name.setdefault(w.name, []).append(w)
@@ -379,11 +406,10 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
                             handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
                         else:
                             handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
-                for dst, src in copies:  # while the messages between nodes travel
-                    dst.copy_(src)
+                _copy_all(copies, threads)  # while the messages between nodes travel
                 dp.wait_all(handles)
         try:
-            got = 0
+            got, pairs = 0, []
             for c_i, c in enumerate(rnd):
                 if c_i not in held:
                     continue
@@ -393,8 +419,9 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
                     if a < b:
                         dst, src = w.out[a - w.start: b - w.start], buf[a - lo: b - lo]
                         if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
-                            dst.copy_(src)  # landed in staging, or a second want of the same bytes
+                            pairs.append((dst, src))  # landed in staging, or a second want of the same bytes
                         got += (b - a) * dst.element_size()
+            _copy_all(pairs, threads)
             if progress and got:
                 progress(got)
         except Exception as exc:
