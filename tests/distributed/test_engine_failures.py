@@ -242,9 +242,14 @@ def test_a_missing_rank_of_a_grid_stops_its_neighbours_of_both_groups(five):
     for rank in (0, 1, 2):
         a = five["arrivals"][rank]["absent_in_grid"]
         assert not a["ok"], rank
+        assert a["seconds"] < 6, (rank, a["seconds"])  # two check-ins at most
+        if rank == 0 and a["failures"] == {"1": "never arrived"}:
+            # Rank 0 meets rank 1 only after rank 1 has waited out rank 3: on a loaded machine
+            # rank 0's own wait may end first, and then it names rank 1, truly late.
+            assert re.search(r"rank 1 of the model-parallel group \[0, 1\] did not arrive", a["message"]), a
+            continue
         assert re.search(r"rank 3 of the (data|model)-parallel group \[(1, 3|2, 3)\] did not arrive", a["message"]), a
         assert a["failures"] == {"3": "never arrived"}
-        assert a["seconds"] < 6, (rank, a["seconds"])  # two check-ins at most
 
 
 def test_a_late_rank_within_the_timeout_loads(five):

@@ -180,7 +180,7 @@ def test_hydra_finds_the_group_from_outside_the_repository(wheel_env):
     )
     found = json.loads(_run(wheel_env, wheel_env["python"], "-c", code).stdout)
     assert "OneloadSearchPathPlugin" in found["plugins"]
-    assert found["options"] == ["auto", "broadcast", "off", "own_shard", "reshard"]
+    assert found["options"] == ["auto", "broadcast", "off", "own_shard", "parallel", "reshard"]
     assert found["strategy"] == "broadcast"
 
 
