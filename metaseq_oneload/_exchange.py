@@ -90,10 +90,6 @@ class ExchangePlan:
     read_bytes: tuple  # per local rank: what it reads from storage
     remote_bytes: tuple  # per node index: what the node receives from other nodes
 
-    @property
-    def chunks(self) -> int:
-        return sum(len(r) for r in self.rounds)
-
 
 def _merged(intervals: list) -> list:
     out: list = []
@@ -137,7 +133,6 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
             for _, start, stop, _, _ in items:
                 if stop > start:
                     wanted.setdefault(name, []).append((start, stop, r))
-    load = {r: 0 for r in readers}
     per_owner: dict = {r: [] for r in readers}
     read_bytes = [0] * world
     remote = [0] * len(node_ids)
@@ -163,8 +158,7 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
                 # A reader that wants the chunk reads it (its copy lands in place); the one
                 # with the fewest bytes so far, so the reading spreads evenly.
                 cands = [r for r in readers if r in spans] or list(readers)
-                owner = min(cands, key=lambda r: (load[r], r))
-                load[owner] += (hi - lo) * size
+                owner = min(cands, key=lambda r: (read_bytes[r], r))
                 read_bytes[owner] += (hi - lo) * size
                 messages, held = [], dict(spans)
                 home = node_of[owner]
