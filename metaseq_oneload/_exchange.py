@@ -89,6 +89,8 @@ class ExchangePlan:
     rounds: tuple  # of tuples of Chunk
     read_bytes: tuple  # per local rank: what it reads from storage
     remote_bytes: tuple  # per node index: what the node receives from other nodes
+    node_of: tuple  # per local rank: the index of its node
+    itemsizes: Mapping  # target name -> bytes per element
 
 
 def _merged(intervals: list) -> list:
@@ -202,7 +204,7 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
         batches[r] = out
     longest = max((len(v) for v in batches.values()), default=0)
     rounds = tuple(tuple(c for r in readers if j < len(batches[r]) for c in batches[r][j]) for j in range(longest))
-    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote))
+    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote), tuple(node_of), dict(itemsizes))
 
 
 def _in_place(wants: Sequence, lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -225,10 +227,11 @@ def chunk_bytes_for(bucket_bytes: int, readers: int) -> int:
 _ALIGN = 64
 
 
-def _shared_slots(plan: ExchangePlan, node_of: Sequence[int], sizes: Mapping[str, int], world: int) -> tuple:
+def _shared_slots(plan: ExchangePlan, world: int) -> tuple:
     """Where each rank keeps, in its shared-memory segment, what it hands to ranks of its
     own node: ({(round, chunk index, rank): byte offset in that rank's slot}, slot bytes
     per rank). Every rank computes the same from the plan."""
+    node_of, sizes = plan.node_of, plan.itemsizes
     where: dict = {}
     slot = [0] * world
     for j, rnd in enumerate(plan.rounds):
@@ -319,7 +322,7 @@ def _copy_all(pairs: Sequence, threads: int) -> None:
 
 
 def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequence, reader,
-                  fill: Callable, progress, node_of: Sequence[int]) -> tuple:
+                  fill: Callable, progress) -> tuple:
     """(collective over ``dp``) Carry out ``plan``. Returns (this rank's error or None,
     stats: bytes received, of them from other nodes, bytes sent). Never raises: the caller
     settles, so every rank leaves after the same collectives.
@@ -336,8 +339,8 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     stats = {"received": 0, "from_other_nodes": 0, "sent": 0}
     error: Optional[BaseException] = None
     step = dp.step
-    sizes = {n: torch.empty((), dtype=t.dtype).element_size() for n, t in targets.items()}
-    where, slot = _shared_slots(plan, node_of, sizes, dp.size)
+    node_of, sizes = plan.node_of, plan.itemsizes
+    where, slot = _shared_slots(plan, dp.size)
     shared = None
     # Shared memory is host memory: for a CUDA group (NCCL) the pieces stay on the device.
     if any(slot) and dp.device.type == "cpu" and os.environ.get("METASEQ_ONELOAD_SHM", "1") != "0":

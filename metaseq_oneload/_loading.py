@@ -863,9 +863,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
                     error, all_ranges = _scatter_loop(dp, targets, wants, reader, opts, progress)
             elif plan is not None:
                 mode = "scatter" if blind_ranks else "local"
-                nodes = [i["node"] for i in dp_infos]
-                error, moved = exchange_loop(dp, plan, targets, wants, reader, _fill, progress,
-                                             [nodes.index(n) for n in nodes])
+                error, moved = exchange_loop(dp, plan, targets, wants, reader, _fill, progress)
             else:
                 try:
                     _fill_all(targets, wants, reader, progress)
