@@ -827,14 +827,8 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             dp.at(f"loading {path}: planning who reads what")
             all_ranges = dp.all_gather_json(_want_ranges(wants))
             sizes = {n: torch.empty((), dtype=t.dtype).element_size() for n, t in targets.items()}
-            wanted, union = overlap(all_ranges, sizes)
-            if strategy == "parallel" or wanted > 1.05 * union:
-                if strategy != "parallel" and opts.strategy == "auto":
-                    strategy, reason = "parallel", (
-                        f"the ranks want {wanted / max(union, 1):.2f}x the bytes there are (the same bytes on several "
-                        "ranks): each byte read once, split among the ranks by bytes, and sent on")
-                elif strategy != "parallel":
-                    reason += "; bytes wanted by several ranks are read once and sent on"
+            strategy, reason, exchange = _exchange_choice(strategy, opts.strategy, reason, all_ranges, sizes)
+            if exchange:
                 readers = [i for i, info in enumerate(dp_infos) if info["ok"]]
                 plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, all_ranges,
                                      readers, [i["node"] for i in dp_infos], chunk_bytes_for(opts.bucket_bytes, len(readers)))
@@ -905,6 +899,23 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         bytes_sent=moved.get("sent", 0),
     )
     return layout, targets, structure, report
+
+
+def _exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Mapping],
+                     sizes: Mapping[str, int]) -> tuple:
+    """(local, the same on every rank of a data-parallel group) (strategy, reason, whether
+    to read once and exchange), given every rank's wanted ranges: ``parallel`` always
+    exchanges; ``own_shard``/``reshard`` do where ranks want the same bytes, and ``auto``
+    then says ``parallel``."""
+    wanted, union = overlap(ranges, sizes)
+    if strategy != "parallel" and wanted <= 1.05 * union:
+        return strategy, reason, False
+    if strategy != "parallel" and asked == "auto":
+        return "parallel", (f"the ranks want {wanted / max(union, 1):.2f}x the bytes there are (the same bytes on "
+                            "several ranks): each byte read once, split among the ranks by bytes, and sent on"), True
+    if strategy != "parallel":
+        reason += "; bytes wanted by several ranks are read once and sent on"
+    return strategy, reason, True
 
 
 def _resolve_aliases(wants: Sequence[Want], targets: Mapping[str, TargetTensor]) -> list:

@@ -20,8 +20,8 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._exchange import _in_place, chunk_bytes_for, overlap, plan_exchange
-from ._loading import _choose, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
+from ._exchange import _in_place, _shared_slots, chunk_bytes_for, plan_exchange
+from ._loading import _choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
 
@@ -188,14 +188,8 @@ def plan_load(
             # As the engine decides: read once and exchange where ranks want the same bytes.
             ranges = [_want_ranges(wants) for wants in per_dp]
             sizes = {n: _itemsize(t.dtype) for n, t in targets.items()}
-            wanted, union = overlap(ranges, sizes)
-            if chosen == "parallel" or wanted > 1.05 * union:
-                if chosen != "parallel" and strategy == "auto":
-                    chosen, reason = "parallel", (
-                        f"the ranks want {wanted / max(union, 1):.2f}x the bytes there are (the same bytes on several "
-                        "ranks): each byte read once, split among the ranks by bytes, and sent on")
-                elif chosen != "parallel":
-                    reason += "; bytes wanted by several ranks are read once and sent on"
+            chosen, reason, exchange = _exchange_choice(chosen, strategy, reason, ranges, sizes)
+            if exchange:
                 ranks += _parallel_part(m, model_parallel, targets, per_dp, outs, ranges, sizes, opts)
                 continue
         for d, wants in enumerate(per_dp):
@@ -234,10 +228,12 @@ def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, ranges, sizes, o
                 received[msg.dst] += nbytes
                 sent[msg.src] += nbytes
         extra = [max(a, b) for a, b in zip(extra, staged)]
+    # One node: every rank maps the node's shared segments (two slots each) and may touch all.
+    shared = 2 * sum(_shared_slots(plan, dp_size)[1])
     out = []
     for d in range(dp_size):
         rd = readers[d]
-        extra_d = max(extra[d], _staging_bytes(targets, per_dp[d], opts.chunk_bytes))
+        extra_d = max(extra[d], _staging_bytes(targets, per_dp[d], opts.chunk_bytes)) + shared
         out.append(RankPlan(d * mp_size + m, m, d, tuple(rd.files), rd.reads, rd.bytes_read, outs[d],
                             received[d], sent[d], extra_d))
     return out
