@@ -1,7 +1,7 @@
 """Bytes read from storage, memory and time of every strategy and of the peers, per rank.
 
     .venv/bin/python bench/storage_bytes.py [--gib 0.25 0.5 1 2] [--worlds 1 3 4] [--json]
-        [--strategies auto,parallel,...] [--sources single,shards4] [--no-peers] [--keep DIR]
+        [--strategies auto,parallel,...] [--sources single,shards4] [--no-peers] [--keep DIR] [--repeat N]
 
 For each model size (a synthetic fp32 decoder with metaseq's names, bench/_synth.py) it writes
 the model as a metaseq singleton (unflattened), as 4 flat FSDP shards, as one safetensors file
@@ -336,6 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-budget-gib", type=float, default=9.0,
                     help="skip runs whose peaks would sum to more (predicted from the same run at a smaller size)")
     ap.add_argument("--keep", help="write the checkpoints under this folder and keep them")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--jsonl", help="also append every row to this file as it is measured")
     args = ap.parse_args(argv)
@@ -371,7 +372,13 @@ def main(argv=None) -> int:
                         row["error"] = (f"skipped: its peaks would sum to about {predicted / 2**30:.1f} GiB, over "
                                         f"--mem-budget-gib {args.mem_budget_gib:g}")
                     else:
-                        r = run(ctx, kind, world, files, dims, root, env)
+                        # Best of --repeat runs by wall time (each cold): the first run after the
+                        # files are written pays the disk's write-back on this machine.
+                        tries = [run(ctx, kind, world, files, dims, root, env) for _ in range(args.repeat)]
+                        ok = [t for t in tries if "error" not in t]
+                        r = min(ok, key=lambda t: max(t["seconds"])) if ok else tries[0]
+                        if ok:
+                            row["walls"] = [round(max(t["seconds"]), 2) for t in ok]
                         if "error" in r:
                             row["error"] = r["error"]
                             print(r.get("trace", ""), file=sys.stderr)
@@ -397,7 +404,8 @@ def main(argv=None) -> int:
                     print(f"  {gib:g} GiB W={world} {label} [{row['source']}]: "
                           + (row["error"] if "error" in row else
                              f"rchar {row['rchar_x']}x, read_bytes {row['read_bytes_x']}x, peak {row['peak_x']}x, "
-                             f"{row['seconds']} s"), file=sys.stderr, flush=True)
+                             f"{row['seconds']} s" + (f" (runs: {row['walls']})" if len(row.get("walls", ())) > 1
+                                                      else "")), file=sys.stderr, flush=True)
             if not args.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
     finally:

@@ -2,15 +2,20 @@
 --nproc-per-node 2``, a c10d rendezvous on 127.0.0.1), each node seeing its own copy of a
 synthetic metaseq checkpoint (or node 1 seeing none), full weights on every rank.
 
-    .venv/bin/python bench/two_nodes.py [--gib 0.25 0.5] [--json]
+    .venv/bin/python bench/two_nodes.py [--gib 0.25 0.5] [--cold] [--json]
 
 Per run: storage bytes read summed over the 4 ranks / model bytes, by the engine's count
 (``LoadReport.bytes_read``) and by the kernel's (``/proc/self/io`` ``rchar``, which counts
 gloo's socket reads as well: the column beside it takes off what crossed between the nodes),
 bytes that crossed into each node / model bytes, the sum of peak RSS above the baseline /
-model bytes, and the wall time of the slowest rank. Beside it, in the same run, every rank
-loading alone (``no_dist=True``: each rank reads the whole model, as ``torch.load`` on every
-rank would).
+model bytes, and the wall time of the slowest rank. ``oneload`` is ``strategy="auto"`` (each
+node's ranks read its share through its page cache, the nodes exchange); ``oneload,
+strict`` is ``strategy="parallel"`` (every byte read once in all, handed on inside a node
+through shared memory). Beside them, in the same run, every rank loading alone
+(``no_dist=True``: each rank reads the whole model, as ``torch.load`` on every rank would).
+``--cold``: before every run both copies' pages are dropped from the page cache
+(``posix_fadvise(DONTNEED)``, the files fsync-ed), and ``read_bytes`` (what the disk served,
+summed over ranks) is reported too.
 """
 
 from __future__ import annotations
@@ -50,19 +55,35 @@ def worker(out: str, root: str, scenario: str, mode: str) -> None:
         f.write("5")
     dist.barrier()
     base, rchar, t0 = proc_status("VmRSS"), proc_io()["rchar"], time.perf_counter()
-    lc = mo.load_checkpoint(path, no_dist=mode != "oneload")
+    disk = proc_io()["read_bytes"]
+    lc = mo.load_checkpoint(path, no_dist=not mode.startswith("oneload"),
+                            strategy="parallel" if mode == "oneload, strict" else "auto")
     seconds = time.perf_counter() - t0
-    read_sys = proc_io()["rchar"] - rchar
+    read_sys, disk = proc_io()["rchar"] - rchar, proc_io()["read_bytes"] - disk
     dist.barrier()
     peak = proc_status("VmHWM") - base
     rank = dist.get_rank()
     r = lc.report
     row = {"rank": rank, "node": node, "seconds": seconds, "rchar": read_sys, "peak": peak, "read": r.bytes_read,
-           "crossed": r.bytes_from_other_nodes, "strategy": r.strategy}
-    with open(os.path.join(out, f"{scenario.replace(' ', '_')}-{mode}-{rank}.json"), "w") as f:
+           "crossed": r.bytes_from_other_nodes, "strategy": r.strategy, "disk": disk}
+    with open(os.path.join(out, f"{_slug(scenario, mode)}-{rank}.json"), "w") as f:
         json.dump(row, f)
     del lc
     dist.destroy_process_group()
+
+
+def _slug(scenario: str, mode: str) -> str:
+    return f"{scenario}-{mode}".replace(" ", "_").replace(",", "")
+
+
+def _drop(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _agents(out: str, root: str, scenario: str, mode: str) -> None:
@@ -88,6 +109,7 @@ def _agents(out: str, root: str, scenario: str, mode: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.25, 0.5])
+    ap.add_argument("--cold", action="store_true", help="drop the files' pages before every run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -105,18 +127,20 @@ def main(argv=None) -> int:
                           metaseq_lm(sh["layers"], sh["dim"], sh["ffn"], sh["vocab"], sh["positions"]))
             shutil.copytree(os.path.join(tmp, "node0"), os.path.join(tmp, "node1"))
             size = os.path.getsize(os.path.join(tmp, "node0", "synth.pt"))
-            for scenario, mode in (("own copies", "oneload"), ("node 1 sees none", "oneload"),
-                                   ("own copies", "every rank alone")):
+            for scenario, mode in (("own copies", "oneload"), ("own copies", "oneload, strict"),
+                                   ("node 1 sees none", "oneload"), ("own copies", "every rank alone")):
                 out = os.path.join(tmp, "out")
                 os.makedirs(out, exist_ok=True)
+                if args.cold:
+                    _drop([os.path.join(tmp, n, "synth.pt") for n in ("node0", "node1")])
                 _agents(out, tmp, scenario, mode)
-                per = [json.load(open(os.path.join(out, f"{scenario.replace(' ', '_')}-{mode}-{r}.json")))
-                       for r in range(4)]
+                per = [json.load(open(os.path.join(out, f"{_slug(scenario, mode)}-{r}.json"))) for r in range(4)]
                 rows.append({"gib": gib, "scenario": scenario, "mode": mode, "strategy": per[0]["strategy"],
                              "read_over_model": round(sum(p["read"] for p in per) / size, 3),
                              "crossed_per_node_over_model": [
                                  round(sum(p["crossed"] for p in per if p["node"] == n) / size, 3) for n in (0, 1)],
                              "rchar_over_model": round(sum(p["rchar"] for p in per) / size, 2),
+                             "read_bytes_over_model": round(sum(p["disk"] for p in per) / size, 2),
                              "peak_over_model": round(sum(p["peak"] for p in per) / size, 2),
                              "seconds": round(max(p["seconds"] for p in per), 2)})
                 print(f"  done: {gib} GiB {scenario} {mode}: {rows[-1]}", file=sys.stderr)
@@ -126,10 +150,12 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     header = ["GiB", "files", "how", "strategy", "read / model", "crossed into node 0, 1 / model",
-              "rchar / model (incl. sockets)", "sum of peaks / model", "wall s"]
+              "rchar / model (incl. sockets)"] + (["read_bytes / model"] if args.cold else []) + [
+              "sum of peaks / model", "wall s"]
     body = [[r["gib"], r["scenario"], r["mode"], r["strategy"], f"{r['read_over_model']:.2f}x",
-             " ".join(f"{x:.2f}x" for x in r["crossed_per_node_over_model"]), f"{r['rchar_over_model']:.2f}x",
-             f"{r['peak_over_model']:.2f}x", f"{r['seconds']:.2f}"] for r in rows]
+             " ".join(f"{x:.2f}x" for x in r["crossed_per_node_over_model"]), f"{r['rchar_over_model']:.2f}x"]
+            + ([f"{r['read_bytes_over_model']:.2f}x"] if args.cold else [])
+            + [f"{r['peak_over_model']:.2f}x", f"{r['seconds']:.2f}"] for r in rows]
     print_table(header, body)
     return 0
 

@@ -36,7 +36,8 @@ from ._dist import Group
 
 logger = logging.getLogger("metaseq_oneload")
 
-__all__ = ["node_key", "ExchangePlan", "plan_exchange", "exchange_loop", "overlap", "chunk_bytes_for"]
+__all__ = ["node_key", "page_cache_view", "cached_nodes", "ExchangePlan", "plan_exchange", "exchange_loop",
+           "overlap", "chunk_bytes_for"]
 
 
 def node_key() -> str:
@@ -50,6 +51,117 @@ def node_key() -> str:
     if group is not None and os.environ.get("LOCAL_WORLD_SIZE"):
         return f"{socket.gethostname()}/node{group}"
     return socket.gethostname()
+
+
+# Filesystems whose reads go through the kernel's page cache, which every process of a host
+# shares: a second rank's read of bytes a neighbour read is a memory copy, not a storage
+# read. FUSE mounts are left out (many, such as mountpoint-s3 and gcsfuse by default, serve
+# every read from the remote store), as is anything not named here.
+_CACHED_FS = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs", "ramfs", "overlay",
+    "squashfs", "nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cephfs", "wekafs",
+})
+
+
+def _fs_type(path: str) -> Optional[str]:
+    """The type of the filesystem ``path`` lies on, from /proc/self/mountinfo (the longest
+    mount point above it); None where that cannot be read."""
+    try:
+        real = os.path.realpath(path)
+        best, kind = "", None
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mnt = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, right.split()[0]
+        return kind
+    except OSError:
+        return None
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes this process could still fill with page cache and outputs: the kernel's
+    MemAvailable, capped by the cgroup's limit less its usage (v2, else v1)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_f) as f:
+                limit = f.read().strip()
+            with open(usage_f) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < (1 << 60):
+            room = max(0, int(limit) - usage)
+            avail = room if avail is None else min(avail, room)
+        break
+    return avail
+
+
+def page_cache_view(paths: Sequence[str], direct: bool = False) -> dict:
+    """(local) What this rank tells the others about its reads of ``paths``: whether they go
+    through its host's page cache (``shared``, with ``why`` not), and the memory left for
+    it (``avail``, bytes, -1 unknown). JSON, for the gathered rank descriptions."""
+    from ._storage import is_url
+
+    avail = _available_memory()
+    view = {"shared": False, "why": "", "avail": -1 if avail is None else avail}
+    if direct:
+        view["why"] = "reads bypass the page cache (O_DIRECT)"
+        return view
+    kinds = {}
+    for p in paths:
+        if is_url(p):
+            view["why"] = "object storage has no page cache"
+            return view
+        d = os.path.dirname(os.path.abspath(p))
+        if d not in kinds:
+            kinds[d] = _fs_type(d)
+    odd = sorted({str(k) for k in kinds.values() if k not in _CACHED_FS})
+    if odd or not kinds:
+        view["why"] = f"the files lie on {', '.join(odd) or 'no'} filesystem(s), whose reads may not be cached"
+        return view
+    view["shared"] = True
+    return view
+
+
+def cached_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequence[int],
+                 ranges: Sequence[Mapping], itemsizes: Mapping[str, int]) -> tuple:
+    """(local, the same on every rank) (node keys whose ranks may each read their own wants,
+    why the others may not). A node qualifies when every reader of it reads through the
+    page cache and the least memory one of them reports holds the node's outputs plus one
+    copy of what they want (so the cached pages survive until the last rank has read them)."""
+    readers = set(readers)
+    out, notes = set(), []
+    for key in dict.fromkeys(nodes):
+        members = [r for r, n in enumerate(nodes) if n == key]
+        mine = [r for r in members if r in readers]
+        if len(mine) < 2:
+            continue  # nothing to share on this node
+        odd = [r for r in mine if not views[r].get("shared")]
+        if odd:
+            notes.append(f"node {key}: {views[odd[0]].get('why') or 'no page cache'}")
+            continue
+        wanted, union = overlap([ranges[r] for r in members], itemsizes)
+        avail = min(int(views[r].get("avail", -1)) for r in mine)
+        if avail >= 0 and avail < wanted + union:
+            notes.append(f"node {key}: {avail / 2**30:.1f} GiB free for {(wanted + union) / 2**30:.1f} GiB of "
+                         "outputs and cached pages")
+            continue
+        out.add(key)
+    return frozenset(out), notes
 
 
 @dataclass(frozen=True)
@@ -76,6 +188,9 @@ class Chunk:
     owner: int
     messages: tuple
     spans: tuple  # ((rank, lo, hi), ...)
+    # Ranks of the owner's node that read their own span through the page cache the owner's
+    # read filled: a memory copy, where a message would cost two.
+    self_read: tuple = ()
 
     def span_of(self, rank: int) -> Optional[tuple]:
         for r, lo, hi in self.spans:
@@ -87,10 +202,16 @@ class Chunk:
 @dataclass(frozen=True)
 class ExchangePlan:
     rounds: tuple  # of tuples of Chunk
-    read_bytes: tuple  # per local rank: what it reads from storage
+    read_bytes: tuple  # per local rank: what it reads (from storage, or its node's page cache)
     remote_bytes: tuple  # per node index: what the node receives from other nodes
     node_of: tuple  # per local rank: the index of its node
     itemsizes: Mapping  # target name -> bytes per element
+    storage_bytes: tuple = ()  # per node index: what the node pulls from storage
+
+    @property
+    def moves(self) -> bool:
+        """Whether any bytes travel between ranks (else every rank just reads its own)."""
+        return any(c.messages for rnd in self.rounds for c in rnd)
 
 
 def _merged(intervals: list) -> list:
@@ -117,12 +238,17 @@ def overlap(ranges: Sequence[Mapping], itemsizes: Mapping[str, int]) -> tuple:
 
 
 def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Sequence[Mapping],
-                  readers: Sequence[int], nodes: Sequence[str], chunk_bytes: int) -> ExchangePlan:
+                  readers: Sequence[int], nodes: Sequence[str], chunk_bytes: int,
+                  cached: frozenset = frozenset()) -> ExchangePlan:
     """(local, identical on every rank) Who reads which chunk and who sends what to whom.
 
     ``order``: target names in the one order every rank walks; ``ranges[r]``: rank r's wants
     as ``{name: [[name, start, stop, dtype, k], ...]}``; ``readers``: the local ranks that
-    see the files; ``nodes[r]``: rank r's node key.
+    see the files; ``nodes[r]``: rank r's node key; ``cached``: node keys whose ranks share
+    a page cache over the files (``cached_nodes``). On such a node, every reader that wants
+    a chunk the node reads reads its own span: the storage serves the node once, the
+    repeats are copies out of the cache, and nothing travels inside the node but what
+    blind ranks want.
     """
     if not readers:
         raise ValueError("no rank can read the files")
@@ -138,6 +264,10 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
     per_owner: dict = {r: [] for r in readers}
     read_bytes = [0] * world
     remote = [0] * len(node_ids)
+    storage = [0] * len(node_ids)
+    is_reader = set(readers)
+    cached_ids = {node_ids[k] for k in cached if k in node_ids}
+    todo = []  # (name, itemsize, lo, hi, {rank: its span}) in the order every rank walks
     for name in order:
         items = wanted.get(name)
         if not items:
@@ -157,36 +287,56 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
                     if x < y:
                         s = spans.get(r)
                         spans[r] = (x, y) if s is None else (min(s[0], x), max(s[1], y))
-                # A reader that wants the chunk reads it (its copy lands in place); the one
-                # with the fewest bytes so far, so the reading spreads evenly.
-                cands = [r for r in readers if r in spans] or list(readers)
-                owner = min(cands, key=lambda r: (read_bytes[r], r))
-                read_bytes[owner] += (hi - lo) * size
-                messages, held = [], dict(spans)
-                home = node_of[owner]
-                by_node: dict = {}
-                for r in sorted(spans):
-                    if r != owner:
-                        by_node.setdefault(node_of[r], []).append(r)
-                for nd, members in by_node.items():
-                    if nd == home or len(members) == 1:
-                        for r in members:
-                            messages.append(Message(1, owner, r, *spans[r]))
-                            if nd != home:
-                                remote[nd] += (spans[r][1] - spans[r][0]) * size
-                        continue
-                    # Another node with several takers: the chunk crosses once, to a relay.
-                    relay = members[0]
-                    x = min(spans[r][0] for r in members)
-                    y = max(spans[r][1] for r in members)
-                    held[relay] = (x, y)
-                    messages.append(Message(1, owner, relay, x, y))
-                    remote[nd] += (y - x) * size
-                    for r in members[1:]:
-                        messages.append(Message(2, relay, r, *spans[r]))
-                held.setdefault(owner, (lo, hi))
-                per_owner[owner].append(Chunk(name, lo, hi, owner, tuple(messages),
-                                              tuple(sorted((r, a, b) for r, (a, b) in held.items()))))
+                todo.append((name, size, lo, hi, spans))
+    # Readers take contiguous runs, in node order: the k-th of n readers the k-th n-th of the
+    # bytes. Interleaved chunks would each be fetched with their neighbours by the kernel's
+    # read-ahead (8 MiB on a virtio disk, more on network filesystems), so a node pulling
+    # every other tensor would pull nearly all of them.
+    ordered = sorted(readers, key=lambda r: (node_of[r], r))
+    total = sum((hi - lo) * size for _, size, lo, hi, _ in todo)
+    at = 0
+    for name, size, lo, hi, spans in todo:
+        nbytes = (hi - lo) * size
+        turn = ordered[min(len(ordered) - 1, (at + nbytes // 2) * len(ordered) // max(1, total))]
+        at += nbytes
+        # A reader that wants the chunk reads it (its copy lands in place): the one whose turn
+        # it is, else the one with the fewest bytes so far (balanced by what each node pulls
+        # from storage, where nodes share a page cache).
+        cands = [r for r in readers if r in spans] or list(readers)
+        owner = turn if turn in cands else min(
+            cands, key=lambda r: (storage[node_of[r]] if cached_ids else 0, read_bytes[r], r))
+        read_bytes[owner] += nbytes
+        messages, held = [], dict(spans)
+        home = node_of[owner]
+        storage[home] += (hi - lo) * size
+        self_read = ()
+        if home in cached_ids:
+            self_read = tuple(r for r in sorted(spans) if r != owner and r in is_reader and node_of[r] == home)
+            for r in self_read:
+                read_bytes[r] += (spans[r][1] - spans[r][0]) * size
+        by_node: dict = {}
+        for r in sorted(spans):
+            if r != owner and r not in self_read:
+                by_node.setdefault(node_of[r], []).append(r)
+        for nd, members in by_node.items():
+            if nd == home or len(members) == 1:
+                for r in members:
+                    messages.append(Message(1, owner, r, *spans[r]))
+                    if nd != home:
+                        remote[nd] += (spans[r][1] - spans[r][0]) * size
+                continue
+            # Another node with several takers: the chunk crosses once, to a relay.
+            relay = members[0]
+            x = min(spans[r][0] for r in members)
+            y = max(spans[r][1] for r in members)
+            held[relay] = (x, y)
+            messages.append(Message(1, owner, relay, x, y))
+            remote[nd] += (y - x) * size
+            for r in members[1:]:
+                messages.append(Message(2, relay, r, *spans[r]))
+        held.setdefault(owner, (lo, hi))
+        per_owner[owner].append(Chunk(name, lo, hi, owner, tuple(messages),
+                                      tuple(sorted((r, a, b) for r, (a, b) in held.items())), self_read))
     # A round takes from each reader its next chunks up to ``chunk_bytes``: small tensors
     # share a round, so a model of many small tensors does not pay a collective for each.
     batches: dict = {}
@@ -204,7 +354,7 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
         batches[r] = out
     longest = max((len(v) for v in batches.values()), default=0)
     rounds = tuple(tuple(c for r in readers if j < len(batches[r]) for c in batches[r][j]) for j in range(longest))
-    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote), tuple(node_of), dict(itemsizes))
+    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote), tuple(node_of), dict(itemsizes), tuple(storage))
 
 
 def _in_place(wants: Sequence, lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -348,79 +498,111 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
         shared = _Segments(dp, slot, node_of)  # a lost rank raises, as every collective here
         if not shared.ok:
             shared = None
-    for j, rnd in enumerate(plan.rounds):
-        dp.at(f"{step} (parallel read, round {j + 1} of {len(plan.rounds)})")
+
+    if reader is not None and hasattr(reader, "set_readahead") and sum(1 for b in plan.storage_bytes if b) > 1:
+        reader.set_readahead(False)  # the nodes read disjoint runs of the files
+
+    def read_round(j: int) -> tuple:
+        """This rank's reads of round ``j`` into where its span of each chunk lives:
+        (held, error). Runs on the reading thread while round ``j - 1``'s messages travel."""
         held: dict = {}  # chunk index -> (lo, tensor holding this rank's span of the chunk)
-        if error is None:
-            try:
-                for c_i, c in enumerate(rnd):
-                    t = targets[c.name]
-                    span = (c.lo, c.hi) if c.owner == me else c.span_of(me)
-                    if span is None:
-                        continue
-                    if shared is not None and (j, c_i, me) in where:
-                        buf = shared.view(me, j, where[(j, c_i, me)], span[1] - span[0], t.dtype)
-                    else:
-                        buf = _in_place(by_name.get(c.name, ()), span[0], span[1], t.dtype, dp.device)
-                        if buf is None:
-                            buf = torch.empty(span[1] - span[0], dtype=t.dtype, device=dp.device)
-                    if c.owner == me:
-                        fill(t, buf, c.lo, reader)
-                    held[c_i] = (span[0], buf)
-            except Exception as exc:  # a read or an allocation: said before anyone sends
-                error = exc
-        # Only if every rank read and made room does anyone send (and the readers' shared
-        # segments hold this round's bytes once everyone is past this point).
-        if dp.all_max(0 if error is None else 1):
-            break
-        with dp.guard():  # a lost rank raises: nothing more can be sent
-            for phase in (1, 2):
-                if phase == 2 and shared is not None and any(m.phase == 2 for c in rnd for m in c.messages):
-                    dp.all_max(0)  # the relays hold what crossed between nodes
-                handles, tag, copies = [], 0, []
-                for c_i, c in enumerate(rnd):
-                    for m in c.messages:
-                        tag += 1  # the message's place in the round: the same on every rank
-                        if m.phase != phase or me not in (m.src, m.dst):
-                            continue
-                        lo, buf = held[c_i]
-                        view = buf[m.lo - lo: m.hi - lo]
-                        nbytes = view.numel() * view.element_size()
-                        if m.src == me:
-                            stats["sent"] += nbytes
-                        else:
-                            stats["received"] += nbytes
-                            if node_of[m.src] != node_of[me]:
-                                stats["from_other_nodes"] += nbytes
-                        if shared is not None and node_of[m.src] == node_of[m.dst]:
-                            if m.dst == me:
-                                src_lo = c.lo if c.owner == m.src else c.span_of(m.src)[0]
-                                src = shared.view(m.src, j, where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
-                                                  m.hi - m.lo, view.dtype)
-                                copies.append((view, src))
-                            continue
-                        if m.src == me:
-                            handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
-                        else:
-                            handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
-                _copy_all(copies, threads)  # while the messages between nodes travel
-                dp.wait_all(handles)
         try:
-            got, pairs = 0, []
-            for c_i, c in enumerate(rnd):
-                if c_i not in held:
+            for c_i, c in enumerate(plan.rounds[j]):
+                t = targets[c.name]
+                span = (c.lo, c.hi) if c.owner == me else c.span_of(me)
+                if span is None:
                     continue
-                lo, buf = held[c_i]
-                for w in by_name.get(c.name, ()):
-                    a, b = max(w.start, lo), min(w.stop, lo + buf.numel())
-                    if a < b:
-                        dst, src = w.out[a - w.start: b - w.start], buf[a - lo: b - lo]
-                        if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
-                            pairs.append((dst, src))  # landed in staging, or a second want of the same bytes
-                        got += (b - a) * dst.element_size()
-            _copy_all(pairs, threads)
-            if progress and got:
-                progress(got)
-        except Exception as exc:
-            error = exc
+                if shared is not None and (j, c_i, me) in where:
+                    buf = shared.view(me, j, where[(j, c_i, me)], span[1] - span[0], t.dtype)
+                else:
+                    buf = _in_place(by_name.get(c.name, ()), span[0], span[1], t.dtype, dp.device)
+                    if buf is None:
+                        buf = torch.empty(span[1] - span[0], dtype=t.dtype, device=dp.device)
+                if c.owner == me or me in c.self_read:
+                    fill(t, buf, span[0], reader)
+                held[c_i] = (span[0], buf)
+        except Exception as exc:  # a read or an allocation: said before anyone sends
+            return held, exc
+        return held, None
+
+    # Reads of the next round overlap this round's messages and copies: its shared slot is
+    # the one every rank finished with before this round's check, and its staging with this
+    # round's comes to one bucket (a round's chunks are half of one).
+    from concurrent.futures import ThreadPoolExecutor
+
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="oneload-readahead") if len(plan.rounds) > 1 else None
+    pending = None
+    try:
+        for j, rnd in enumerate(plan.rounds):
+            dp.at(f"{step} (parallel read, round {j + 1} of {len(plan.rounds)})")
+            if pending is not None:
+                held, exc = pending.result()
+                pending = None
+            elif error is None:
+                held, exc = read_round(j)
+            else:
+                held, exc = {}, None
+            error = error or exc
+            # Only if every rank read and made room does anyone send (and the readers' shared
+            # segments hold this round's bytes once everyone is past this point).
+            if dp.all_max(0 if error is None else 1):
+                break
+            if ahead is not None and j + 1 < len(plan.rounds):
+                pending = ahead.submit(read_round, j + 1)
+            with dp.guard():  # a lost rank raises: nothing more can be sent
+                for phase in (1, 2):
+                    if phase == 2 and shared is not None and any(m.phase == 2 for c in rnd for m in c.messages):
+                        dp.all_max(0)  # the relays hold what crossed between nodes
+                    handles, tag, copies = [], 0, []
+                    for c_i, c in enumerate(rnd):
+                        for m in c.messages:
+                            tag += 1  # the message's place in the round: the same on every rank
+                            if m.phase != phase or me not in (m.src, m.dst):
+                                continue
+                            lo, buf = held[c_i]
+                            view = buf[m.lo - lo: m.hi - lo]
+                            nbytes = view.numel() * view.element_size()
+                            if m.src == me:
+                                stats["sent"] += nbytes
+                            else:
+                                stats["received"] += nbytes
+                                if node_of[m.src] != node_of[me]:
+                                    stats["from_other_nodes"] += nbytes
+                            if shared is not None and node_of[m.src] == node_of[m.dst]:
+                                if m.dst == me:
+                                    src_lo = c.lo if c.owner == m.src else c.span_of(m.src)[0]
+                                    src = shared.view(m.src, j, where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
+                                                      m.hi - m.lo, view.dtype)
+                                    copies.append((view, src))
+                                continue
+                            if m.src == me:
+                                handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
+                            else:
+                                handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
+                    _copy_all(copies, threads)  # while the messages between nodes travel
+                    dp.wait_all(handles)
+            try:
+                got, pairs = 0, []
+                for c_i, c in enumerate(rnd):
+                    if c_i not in held:
+                        continue
+                    lo, buf = held[c_i]
+                    for w in by_name.get(c.name, ()):
+                        a, b = max(w.start, lo), min(w.stop, lo + buf.numel())
+                        if a < b:
+                            dst, src = w.out[a - w.start: b - w.start], buf[a - lo: b - lo]
+                            if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
+                                pairs.append((dst, src))  # landed in staging, or a second want of the same bytes
+                            got += (b - a) * dst.element_size()
+                _copy_all(pairs, threads)
+                if progress and got:
+                    progress(got)
+            except Exception as exc:
+                error = exc
+    finally:
+        if pending is not None:
+            pending.result()  # never leave a thread writing into tensors the caller owns
+        if ahead is not None:
+            ahead.shutdown(wait=True)
     return error, stats
+

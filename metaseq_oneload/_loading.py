@@ -26,10 +26,14 @@ the layout with the other ranks, picks a strategy, and fills the wants:
     Read once, exchange: every byte some rank wants is read by one rank that sees the files
     (one that wants it where it can, balanced by bytes) and sent point to point to the
     others, a node's share crossing the network once (see ``_exchange``). ``auto`` picks it
-    when ranks want the same bytes (``flat=False``, replicated tensors) or some cannot see
-    the files; ``own_shard`` and ``reshard`` read bytes wanted by several ranks the same way.
-    Storage bytes read, summed over ranks = the model's bytes (not W times).
-    Peak extra = output + at most one bucket of staging per rank.
+    when ranks on different nodes want the same bytes (``flat=False``, replicated tensors)
+    or some cannot see the files; ``own_shard`` and ``reshard`` read bytes wanted by several
+    ranks the same way. Ranks of one node whose page cache holds the files (checked:
+    ``_exchange.page_cache_view``, ``cached_nodes``) each read what they want through it,
+    so inside a node nothing travels but what crossed into it; asked for by name, it reads
+    every byte once in all, inside a node too. Storage bytes read, summed over the cluster
+    = the model's bytes (not W times). Peak extra = output + at most one bucket of staging
+    per rank, + the node's shared-memory slots.
 
 With no process group at all everything runs locally in one process (no collectives).
 """
@@ -52,13 +56,13 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle
-from ._exchange import chunk_bytes_for, exchange_loop, node_key, overlap, plan_exchange
+from ._exchange import cached_nodes, chunk_bytes_for, exchange_loop, node_key, overlap, page_cache_view, plan_exchange
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
                       cap_list)
 from ._layout import CheckpointLayout, StoredTensor
 from .formats import adopt, discover, to_wire
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
-from ._reading import RangeReader
+from ._reading import RangeReader, _env_flag
 from ._storage import is_url
 
 __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
@@ -271,14 +275,31 @@ def _fingerprint(target: TargetTensor, start: int, stop: int, reader, chunk_byte
     """float64 sum of ``target`` elements ``start..stop`` read through ``reader``, as they
     look once cast to ``dtype`` (the destination's; default the target's)."""
     itemsize = torch.empty((), dtype=target.dtype).element_size()
-    step = max(1, chunk_bytes // itemsize)
+    step = max(1, min(chunk_bytes, _SUM_SCRATCH) // itemsize)
+    # One scratch buffer, reused: a fresh chunk-sized buffer per step is a fresh mapping from
+    # malloc (above its threshold), and its page faults cost more than the sums.
+    scratch = _scratch(target.dtype, min(step, stop - start))
     total = 0.0
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
-        tmp = torch.empty(hi - lo, dtype=target.dtype)
+        tmp = scratch[: hi - lo]
         _fill(target, tmp, lo, reader)
-        total += _sum64(tmp.to(dtype or target.dtype))
+        total += _sum64(tmp if dtype in (None, target.dtype) else tmp.to(dtype))
     return total
+
+
+_SUM_SCRATCH = 8 << 20
+_scratches: dict = {}  # (pid, thread, dtype) -> buffer
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    import threading
+
+    key = (os.getpid(), threading.get_ident(), dtype)
+    buf = _scratches.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratches[key] = torch.empty(max(numel, 1), dtype=dtype)
+    return buf
 
 
 def _sum64(t: torch.Tensor, step: int = 1 << 20) -> float:
@@ -755,6 +776,10 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     settle(groups, error, f"loading {path}: agreeing on the options")
     if layout is None:
         layout, err = _discover_once(given, dp, mp, opts)
+    # Whether this rank's reads go through a page cache its node's ranks share (O_DIRECT as
+    # RangeReader decides it).
+    cache = (page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
+             if layout is not None else {"shared": False, "why": "", "avail": -1})
     info = {
         "rank": dp.global_rank,
         "ok": layout is not None,
@@ -763,6 +788,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         "err": None if err is None else clip(f"{type(err).__name__}: {err}"),
         "desc": "" if layout is None else f"{layout.display_name} {layout.model_parallel_size}x{layout.shards_per_part}",
         "node": node_key(),
+        "cache": cache,
     }
     for g in groups:
         g.at(f"loading {path}: agreeing on the checkpoint")
@@ -827,11 +853,10 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             dp.at(f"loading {path}: planning who reads what")
             all_ranges = dp.all_gather_json(_want_ranges(wants))
             sizes = {n: torch.empty((), dtype=t.dtype).element_size() for n, t in targets.items()}
-            strategy, reason, exchange = _exchange_choice(strategy, opts.strategy, reason, all_ranges, sizes)
-            if exchange:
-                readers = [i for i, info in enumerate(dp_infos) if info["ok"]]
-                plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, all_ranges,
-                                     readers, [i["node"] for i in dp_infos], chunk_bytes_for(opts.bucket_bytes, len(readers)))
+            strategy, reason, plan = _exchange_choice(
+                strategy, opts.strategy, reason, all_ranges, sizes, [n for n, t in targets.items() if t.alias_of is None],
+                [i for i, info in enumerate(dp_infos) if info["ok"]], [i["node"] for i in dp_infos],
+                [i["cache"] for i in dp_infos], opts.bucket_bytes)
 
         # 3. Read.
         total = sum(w.out.numel() * w.out.element_size() for w in wants)
@@ -901,21 +926,40 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     return layout, targets, structure, report
 
 
-def _exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Mapping],
-                     sizes: Mapping[str, int]) -> tuple:
-    """(local, the same on every rank of a data-parallel group) (strategy, reason, whether
-    to read once and exchange), given every rank's wanted ranges: ``parallel`` always
-    exchanges; ``own_shard``/``reshard`` do where ranks want the same bytes, and ``auto``
-    then says ``parallel``."""
+def _exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Mapping], sizes: Mapping[str, int],
+                     order: Sequence[str], readers: Sequence[int], nodes: Sequence[str], caches: Sequence[Mapping],
+                     bucket_bytes: int) -> tuple:
+    """(local, the same on every rank of a data-parallel group) (strategy, reason, the
+    exchange plan or None), given every rank's wanted ranges, which ranks read, their nodes
+    and their page-cache views (``_exchange.page_cache_view``).
+
+    ``parallel`` asked for reads every byte once in all and sends it on, even between ranks
+    of one node. Otherwise, where ranks want the same bytes: each node pulls them from
+    storage once. Ranks of a node whose page cache can hold them each read their own (the
+    repeats are memory copies out of the cache, cheaper than a message's two); only what
+    other nodes and blind ranks want travels, and ``auto`` says ``parallel`` where anything
+    does. One node that needs no message keeps the strategy it had."""
     wanted, union = overlap(ranges, sizes)
     if strategy != "parallel" and wanted <= 1.05 * union:
-        return strategy, reason, False
+        return strategy, reason, None
+    cached, notes = (frozenset(), []) if asked == "parallel" else cached_nodes(caches, nodes, readers, ranges, sizes)
+    plan = plan_exchange(order, sizes, ranges, readers, nodes, chunk_bytes_for(bucket_bytes, len(readers)), cached)
+    times = f"{wanted / max(union, 1):.2f}x"
+    if not plan.moves:
+        if wanted > 1.05 * union:
+            reason += (f"; the ranks want {times} the bytes there are, on one node whose page cache holds them: "
+                       "each rank reads its own, the storage serves them once")
+        return strategy, reason, None
+    share = ("; ranks of a node read through its page cache" if cached else "") + (
+        f" ({'; '.join(notes)}: exchanged there)" if notes else "")
     if strategy != "parallel" and asked == "auto":
-        return "parallel", (f"the ranks want {wanted / max(union, 1):.2f}x the bytes there are (the same bytes on "
-                            "several ranks): each byte read once, split among the ranks by bytes, and sent on"), True
+        return "parallel", (f"the ranks want {times} the bytes there are (the same bytes on several ranks): each "
+                            f"node reads its share once, split by bytes, and sends it on{share}"), plan
     if strategy != "parallel":
-        reason += "; bytes wanted by several ranks are read once and sent on"
-    return strategy, reason, True
+        reason += f"; bytes wanted by several ranks are read once per node and sent on{share}"
+    elif cached:
+        reason += share
+    return strategy, reason, plan
 
 
 def _resolve_aliases(wants: Sequence[Want], targets: Mapping[str, TargetTensor]) -> list:

@@ -20,9 +20,10 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._exchange import _in_place, _shared_slots, chunk_bytes_for, plan_exchange
+from ._exchange import _in_place, _shared_slots, page_cache_view
 from ._loading import _choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
+from ._reading import _env_flag
 from .formats import discover
 
 __all__ = ["RankPlan", "LoadPlan", "plan_load"]
@@ -170,6 +171,7 @@ def plan_load(
     info = {"rank": 0, "ok": True, "blind": False, "fp": layout.fingerprint(), "err": None, "desc": ""}
     chosen, reason = _choose(opts, [dict(info, rank=d) for d in range(dp_size)], layout, model_parallel, dp_size,
                              flat, Group(None, "data-parallel"))
+    cache = page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
     ranks = []
     for m in range(model_parallel):
         targets = plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype)
@@ -188,9 +190,12 @@ def plan_load(
             # As the engine decides: read once and exchange where ranks want the same bytes.
             ranges = [_want_ranges(wants) for wants in per_dp]
             sizes = {n: _itemsize(t.dtype) for n, t in targets.items()}
-            chosen, reason, exchange = _exchange_choice(chosen, strategy, reason, ranges, sizes)
-            if exchange:
-                ranks += _parallel_part(m, model_parallel, targets, per_dp, outs, ranges, sizes, opts)
+            # One node, as these ranks' page cache sees the files here.
+            chosen, reason, plan = _exchange_choice(
+                chosen, strategy, reason, ranges, sizes, [n for n, t in targets.items() if t.alias_of is None],
+                list(range(dp_size)), ["node"] * dp_size, [cache] * dp_size, opts.bucket_bytes)
+            if plan is not None:
+                ranks += _parallel_part(m, model_parallel, targets, per_dp, outs, plan, sizes, opts)
                 continue
         for d, wants in enumerate(per_dp):
             reader = _CountingReader(opts.chunk_bytes)
@@ -206,11 +211,9 @@ def plan_load(
                     model_bytes=layout.total_bytes, ranks=tuple(ranks))
 
 
-def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, ranges, sizes, opts: _Options) -> list:
+def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, plan, sizes, opts: _Options) -> list:
     """The ranks of model-parallel part ``m`` when they read once between them and exchange."""
     dp_size = len(per_dp)
-    plan = plan_exchange([n for n, t in targets.items() if t.alias_of is None], sizes, ranges,
-                         list(range(dp_size)), ["node"] * dp_size, chunk_bytes_for(opts.bucket_bytes, dp_size))
     readers = [_CountingReader(opts.chunk_bytes) for _ in range(dp_size)]
     received, sent, extra = [0] * dp_size, [0] * dp_size, [0] * dp_size
     meta = torch.device("meta")
@@ -219,6 +222,9 @@ def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, ranges, sizes, o
         for c in rnd:
             t = targets[c.name]
             _fill(t, torch.empty(c.hi - c.lo, dtype=t.dtype, device="meta"), c.lo, readers[c.owner])
+            for r in c.self_read:
+                lo, hi = c.span_of(r)
+                _fill(t, torch.empty(hi - lo, dtype=t.dtype, device="meta"), lo, readers[r])
             for r, lo, hi in c.spans:
                 by_name = [w for w in per_dp[r] if w.name == c.name]
                 if _in_place(by_name, lo, hi, t.dtype, meta) is None:

@@ -919,6 +919,22 @@ class RangeReader:
         self._pool = None
         self._pool_pid = None
         self._bounce = threading.local()
+        self.readahead = True
+
+    def set_readahead(self, on: bool) -> None:
+        """(local) Whether the kernel may read ahead of this reader's requests
+        (``POSIX_FADV_RANDOM`` when not), on descriptors open now and later. Off where other
+        nodes read the rest of each file: read-ahead past a rank's ranges (8 MiB on a virtio
+        disk, more on network filesystems) would fetch what the storage also serves them."""
+        with self._lock:
+            self.readahead = bool(on)
+            for fd in self._fds.values():
+                self._advise(fd)
+
+    def _advise(self, fd: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL if self.readahead else os.POSIX_FADV_RANDOM)
 
     def __enter__(self) -> "RangeReader":
         return self
@@ -946,6 +962,8 @@ class RangeReader:
                     fd = os.open(path, os.O_RDONLY)
                 except OSError as e:
                     raise CheckpointLayoutError(f"{path}: cannot open the file ({e.strerror or e}).") from e
+                if not self.readahead:
+                    self._advise(fd)
                 self._fds[path] = fd
             return fd
 
@@ -1128,14 +1146,35 @@ class RangeReader:
         if out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous():
             self._pread(ext.path, offset, out)
             return
+        self._staged(ext.path, offset, out, dtype, itemsize)
+
+    def _staged(self, path: str, offset: int, out: torch.Tensor, dtype: torch.dtype, itemsize: int) -> None:
+        """Read through staging buffers of at most ``chunk_bytes`` each, then copy (and cast)
+        into ``out``. Onto CUDA: two pinned buffers, each copy to the device issued without
+        waiting (``non_blocking``), so the read of the next chunk runs while the last one
+        travels; a buffer is refilled only after its copy's event has completed, and every
+        copy is complete on return. Host memory: two chunks; device memory: ``out`` plus a
+        chunk where the copy casts."""
+        n = out.numel()
         step = max(1, self.chunk_bytes // itemsize)
-        staging = torch.empty(min(step, n), dtype=dtype,
-                              pin_memory=out.device.type == "cuda" and torch.cuda.is_available())
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            buf = staging[: hi - lo]
-            self._pread(ext.path, offset + lo * itemsize, buf)
-            out[lo:hi].copy_(buf, non_blocking=False)
+        cuda = out.device.type == "cuda" and torch.cuda.is_available()
+        bufs = [torch.empty(min(step, n), dtype=dtype, pin_memory=cuda) for _ in range(2 if cuda and n > step else 1)]
+        done: list = [None] * len(bufs)  # the CUDA event of the copy out of each buffer
+        try:
+            for i, lo in enumerate(range(0, n, step)):
+                hi, b = min(n, lo + step), i % len(bufs)
+                if done[b] is not None:
+                    done[b].synchronize()
+                buf = bufs[b][: hi - lo]
+                self._pread(path, offset + lo * itemsize, buf)
+                out[lo:hi].copy_(buf, non_blocking=cuda)
+                if cuda:
+                    done[b] = torch.cuda.Event()
+                    done[b].record(torch.cuda.current_stream(out.device))  # the stream copy_ used
+        finally:
+            for ev in done:
+                if ev is not None:
+                    ev.synchronize()
 
     def read_from_mmap(self, ext: Extent, start: int, n: int) -> torch.Tensor:
         """The same elements through ``torch.load(mmap=True)``: an independent path used by

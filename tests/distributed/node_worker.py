@@ -41,23 +41,27 @@ def main() -> None:
     node = int(os.environ["GROUP_RANK"])
     rank = dist.get_rank()
     rows = []
-    # (scenario, folder this node sees, checkpoint file in it, flat)
+    # (scenario, folder this node sees, checkpoint file in it, flat, strategy). ``auto``: the
+    # ranks of a node read through its page cache, the nodes exchange; ``parallel``: every
+    # byte read once in all, shared inside a node too.
     scenarios = [
-        ("own copies", f"node{node}", "big/synth.pt", False),
-        ("own copies, no shared memory", f"node{node}", "big/synth.pt", False),
-        ("own copies, fsdp shards", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", False),
-        ("own copies, flat", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", True),
-        ("node 1 sees none", "node0" if node == 0 else "nowhere", "big/synth.pt", False),
-        ("node 1 sees none, flat", "node0" if node == 0 else "nowhere", "singleton/checkpoint_2_consolidated.pt", True),
+        ("own copies", f"node{node}", "big/synth.pt", False, "auto"),
+        ("own copies, strict", f"node{node}", "big/synth.pt", False, "parallel"),
+        ("own copies, strict, no shared memory", f"node{node}", "big/synth.pt", False, "parallel"),
+        ("own copies, fsdp shards", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", False, "auto"),
+        ("own copies, flat", f"node{node}", "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", True, "auto"),
+        ("node 1 sees none", "node0" if node == 0 else "nowhere", "big/synth.pt", False, "auto"),
+        ("node 1 sees none, flat", "node0" if node == 0 else "nowhere", "singleton/checkpoint_2_consolidated.pt", True,
+         "auto"),
     ]
-    for name, folder, rel, flat in scenarios:
+    for name, folder, rel, flat, strategy in scenarios:
         path = os.path.join(root, folder, rel)
         md = target_metadata(1) if flat and "singleton" in rel else None
         # Ranks of a node share through /dev/shm; without it, through the process group.
         os.environ["METASEQ_ONELOAD_SHM"] = "0" if "no shared memory" in name else "1"
         dist.barrier()
         before = _rchar()
-        lc = mo.load_checkpoint(path, flat=flat, shard_metadata=md, verify=False)
+        lc = mo.load_checkpoint(path, flat=flat, shard_metadata=md, strategy=strategy, verify=False)
         read = _rchar() - before
         torch.save(dict(lc.model), os.path.join(out_dir, f"{name.replace(' ', '_').replace(',', '')}-r{rank}.pt"))
         r = lc.report

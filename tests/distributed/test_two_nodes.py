@@ -93,27 +93,40 @@ def _weights(out, scenario, rank):
     return torch.load(out / f"{scenario.replace(' ', '_').replace(',', '')}-r{rank}.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("scenario", ["own copies", "own copies, no shared memory", "node 1 sees none"])
+@pytest.mark.parametrize("scenario", ["own copies", "own copies, strict", "own copies, strict, no shared memory",
+                                      "node 1 sees none"])
 def test_read_once_per_cluster_each_node_receives_once(two_nodes, scenario):
     results, out, big, size = two_nodes
     rows = _rows(results, scenario)
     model_bytes = rows[0]["bytes_out"]  # flat=False: every rank holds the whole model
     assert {r["strategy"] for r in rows} == {"parallel"}, rows
-    # Storage: read once for the cluster, by the engine's count and by the kernel's (rchar
-    # counts gloo's socket reads too: what arrived over a socket is taken off; what a node's
-    # ranks share through /dev/shm is no read at all).
-    assert sum(r["bytes_read"] for r in rows) == model_bytes
-    # Read W times, the model would add 3 x 12 MB here; control messages and the store are
-    # well under the 1 MiB allowed for them.
-    sockets = sum(r["received"] if "no shared memory" in scenario else r["from_other_nodes"] for r in rows)
-    assert sum(r["rchar"] for r in rows) <= 1.05 * size + sockets + (1 << 20), [r["rchar"] for r in rows]
+    strict = "strict" in scenario
     by_node = {0: [], 1: []}
     for res, row in zip(results, rows):
         by_node[res["node"]].append(row)
+    if strict:
+        # Every byte read once in all, by the engine's count and by rchar (which counts gloo's
+        # socket reads too: what arrived over a socket is taken off; what a node's ranks share
+        # through /dev/shm is no read at all).
+        assert sum(r["bytes_read"] for r in rows) == model_bytes
+        sockets = sum(r["received"] if "no shared memory" in scenario else r["from_other_nodes"] for r in rows)
+        assert sum(r["rchar"] for r in rows) <= 1.05 * size + sockets + (1 << 20), [r["rchar"] for r in rows]
+    else:
+        # The ranks of a node each read what their node reads, through its page cache (one
+        # storage read for the node, the repeat a copy out of the cache): the same bytes on
+        # both, and by rchar no more (nothing but the node's share and what crossed sockets).
+        assert "page cache" in rows[0]["reason"], rows[0]["reason"]
+        for node_rows in by_node.values():
+            assert len({r["bytes_read"] for r in node_rows}) == 1, node_rows
+            # every rank receives exactly what its node did not read (from the other node, or
+            # from its node's relay), nothing its node read
+            assert all(r["received"] == model_bytes - r["bytes_read"] for r in node_rows), node_rows
+        for r in rows:
+            assert r["rchar"] <= r["bytes_read"] + r["from_other_nodes"] + (1 << 20), r
     for node, node_rows in by_node.items():
-        # What this node's ranks read plus what crossed into the node covers the model, and
-        # nothing crossed twice: at most what the node did not read itself.
-        local = sum(r["bytes_read"] for r in node_rows)
+        # What this node read plus what crossed into the node covers the model, and nothing
+        # crossed twice: at most what the node did not read itself.
+        local = sum(r["bytes_read"] for r in node_rows) if strict else node_rows[0]["bytes_read"]
         crossed = sum(r["from_other_nodes"] for r in node_rows)
         assert crossed == model_bytes - local, (node, crossed, local, model_bytes)
     if scenario == "node 1 sees none":
@@ -131,7 +144,8 @@ def test_fsdp_shards_and_flat_onto_two_nodes(two_nodes):
     results, out, _, _ = two_nodes
     ref = reference_weights()
     rows = _rows(results, "own copies, fsdp shards")
-    assert sum(r["bytes_read"] for r in rows) == rows[0]["bytes_out"]
+    # Each node reads its share through its page cache: the same bytes on its two ranks.
+    assert rows[0]["bytes_read"] + rows[2]["bytes_read"] == rows[0]["bytes_out"]
     for rank in range(4):
         assert_matches_reference(_weights(out, "own copies, fsdp shards", rank), ref)
     for scenario in ("own copies, flat", "node 1 sees none, flat"):

@@ -224,11 +224,16 @@ def blind_empty_folder(rank: int, world: int, tmp: str) -> str:
     return lc.report.strategy
 
 
-def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=()) -> list:
+def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=(), node_per_rank: bool = False) -> list:
     """Every named corpus set onto this world and model-parallel size: the rank's part
     equals Megatron's split of an independent reading of the set (tests/corpus.py), and,
-    for ``flat_ids``, its FSDP flat shard equals fairscale's own sharding."""
+    for ``flat_ids``, its FSDP flat shard equals fairscale's own sharding.
+    ``node_per_rank``: each rank tells the engine it is a node of its own (a cluster of
+    one-GPU machines), so ranks that want the same bytes exchange them."""
     from tests.corpus import assert_same, by_id, canonical, full_weights, fused, split
+
+    if node_per_rank:
+        os.environ["METASEQ_ONELOAD_NODE"] = f"node{rank}"
 
     dp, mpg, dp_rank, mp_rank, w = make_groups(rank, world, mp_size)
     out = []
@@ -247,7 +252,8 @@ def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=()) -> list:
                     assert_same(canonical(lc.model), want, what=what)
             except AssertionError as err:
                 raise AssertionError(f"{what}: {err}") from err
-            out.append([ident, flat, lc.report.strategy, lc.report.bytes_read, lc.report.verified, lc.report.bytes_out])
+            out.append([ident, flat, lc.report.strategy, lc.report.bytes_read, lc.report.verified, lc.report.bytes_out,
+                        lc.report.reason])
     return out
 
 

@@ -4,9 +4,12 @@ share crossing between nodes once, and every rank ending with exactly its wants.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
-from metaseq_oneload._exchange import overlap, plan_exchange
+from metaseq_oneload._exchange import cached_nodes, overlap, page_cache_view, plan_exchange
 
 
 def _ranges(per_rank):
@@ -28,6 +31,9 @@ def _simulate(plan, ranges, world):
             read[c.owner][c.name].update(range(c.lo, c.hi))
             spans[(c.name, c.lo, c.owner)] = set(range(c.lo, c.hi))
             have = {c.owner: set(range(c.lo, c.hi))}
+            for r in c.self_read:  # read again out of the node's page cache: no storage read
+                a, b = c.span_of(r)
+                have[r] = set(range(a, b))
             for phase in (1, 2):
                 for m in c.messages:
                     if m.phase != phase:
@@ -130,3 +136,86 @@ def test_rounds_take_one_batch_per_reader():
 def test_no_reader_is_refused():
     with pytest.raises(ValueError):
         plan_exchange(["a"], SIZES, _ranges([{"a": [(0, 10)]}]), [], ["h"], 100)
+
+
+# ---------------------------------------------------------------- nodes sharing a page cache
+
+
+def _everything(world):
+    return _ranges([{n: [(0, NUMEL[n])] for n in NUMEL}] * world)
+
+
+def test_one_node_with_a_page_cache_moves_nothing():
+    ranges = _everything(3)
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, [0, 1, 2], ["n"] * 3, 1000, frozenset({"n"}))
+    assert not plan.moves  # each rank reads its own wants; the engine then reads plainly
+    holds, _ = _simulate(plan, ranges, 3)
+    assert all(holds[r][n] == set(range(NUMEL[n])) for r in range(3) for n in NUMEL)
+    total = sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    assert plan.storage_bytes == (total,) and plan.read_bytes == (total,) * 3
+
+
+def test_two_cached_nodes_split_the_storage_and_cross_once():
+    ranges = _everything(4)
+    nodes = ["a", "a", "b", "b"]
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, [0, 1, 2, 3], nodes, 1000, frozenset({"a", "b"}))
+    holds, read = _check(plan, ranges, 4)
+    total = sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    # each node pulls about half from storage; the other half crosses into it once
+    assert sum(plan.storage_bytes) == total and max(plan.storage_bytes) <= 0.6 * total
+    assert plan.remote_bytes == (total - plan.storage_bytes[0], total - plan.storage_bytes[1])
+    for c in (c for rnd in plan.rounds for c in rnd):
+        home = nodes[c.owner]
+        # the owner's neighbour reads its own copy out of the cache; no message stays in a node
+        # but a relay's hand-on of what crossed
+        assert [r for r in c.self_read] == [r for r in (0, 1, 2, 3) if nodes[r] == home and r != c.owner]
+        assert all(m.phase == 2 or nodes[m.dst] != home for m in c.messages), c
+    # readers take contiguous runs, in node order (no interleaving for read-ahead to waste)
+    owners = [c.owner for name in NUMEL for c in sorted((c for rnd in plan.rounds for c in rnd if c.name == name),
+                                                          key=lambda c: c.lo)]
+    assert owners == sorted(owners), owners
+
+
+def test_a_blind_rank_on_a_cached_node_still_receives():
+    ranges = _everything(3)
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, [0, 1], ["n"] * 3, 1000, frozenset({"n"}))
+    assert plan.moves
+    holds, _ = _simulate(plan, ranges, 3)
+    assert all(holds[2][n] == set(range(NUMEL[n])) for n in NUMEL)
+    assert all(m.dst == 2 for rnd in plan.rounds for c in rnd for m in c.messages)
+
+
+def _view(shared=True, avail=1 << 40, why=""):
+    return {"shared": shared, "why": why, "avail": avail}
+
+
+def test_cached_nodes_needs_every_reader_cached_and_room_for_the_pages():
+    ranges = _everything(4)
+    nodes = ["a", "a", "b", "b"]
+    total = sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    ok, notes = cached_nodes([_view()] * 4, nodes, [0, 1, 2, 3], ranges, SIZES)
+    assert ok == {"a", "b"} and not notes
+    # node b: one rank reads around the page cache
+    ok, notes = cached_nodes([_view(), _view(), _view(), _view(False, why="reads bypass the page cache (O_DIRECT)")],
+                             nodes, [0, 1, 2, 3], ranges, SIZES)
+    assert ok == {"a"} and "node b: reads bypass the page cache" in notes[0]
+    # node a: its outputs (2 x total) and one cached copy (total) do not fit
+    ok, notes = cached_nodes([_view(avail=3 * total - 1)] * 2 + [_view()] * 2, nodes, [0, 1, 2, 3], ranges, SIZES)
+    assert ok == {"b"} and notes[0].startswith("node a: ")
+    # a node with one reader has nothing to share (its blind rank receives)
+    ok, _ = cached_nodes([_view()] * 4, nodes, [0, 1, 2], ranges, SIZES)
+    assert ok == {"a"}
+
+
+def test_page_cache_view(tmp_path):
+    # /dev/shm is tmpfs wherever it exists: cached; /proc is not a filesystem of files on a disk
+    if os.path.isdir("/dev/shm"):
+        f = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="oneload-test-")
+        view = page_cache_view([f.name])
+        assert view["shared"] is True and view["avail"] > 0, view
+        assert page_cache_view([f.name], direct=True)["why"] == "reads bypass the page cache (O_DIRECT)"
+        f.close()
+    proc = page_cache_view(["/proc/self/status"])
+    assert proc["shared"] is False and "proc" in proc["why"], proc
+    remote = page_cache_view(["s3://bucket/x.pt"])
+    assert remote["shared"] is False and "object storage" in remote["why"]
