@@ -83,9 +83,47 @@ def _fs_type(path: str) -> Optional[str]:
         return None
 
 
+def _cgroup_room() -> Optional[int]:
+    """Bytes this process's memory cgroup can still take (its limit less what it holds but
+    cannot reclaim: usage less file pages), or None without a limit. cgroup v2, else v1;
+    this process's own cgroup (``/proc/self/cgroup``), else the mount's root."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        lines = []
+    v2 = next((p for h, c, p in lines if h == "0" and c == ""), "/")
+    v1 = next((p for h, c, p in lines if "memory" in c.split(",")), "/")
+    for base, limit_f, usage_f, cache_key in (
+            (f"/sys/fs/cgroup{v2.rstrip('/')}", "memory.max", "memory.current", "file"),
+            ("/sys/fs/cgroup", "memory.max", "memory.current", "file"),
+            (f"/sys/fs/cgroup/memory{v1.rstrip('/')}", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache"),
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")):
+        try:
+            with open(os.path.join(base, limit_f)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(base, usage_f)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= (1 << 60):
+            return None  # no limit here
+        cached = 0
+        try:  # page cache counts in the usage but is reclaimed before the limit bites
+            with open(os.path.join(base, "memory.stat")) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == cache_key:
+                        cached = int(v)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - usage + cached)
+    return None
+
+
 def _available_memory() -> Optional[int]:
     """Bytes this process could still fill with page cache and outputs: the kernel's
-    MemAvailable, capped by the cgroup's limit less its usage (v2, else v1)."""
+    MemAvailable, capped by what its cgroup can still take."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -94,19 +132,9 @@ def _available_memory() -> Optional[int]:
                     avail = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_f) as f:
-                limit = f.read().strip()
-            with open(usage_f) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < (1 << 60):
-            room = max(0, int(limit) - usage)
-            avail = room if avail is None else min(avail, room)
-        break
+    room = _cgroup_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
     return avail
 
 
@@ -155,7 +183,8 @@ def cached_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequen
             notes.append(f"node {key}: {views[odd[0]].get('why') or 'no page cache'}")
             continue
         wanted, union = overlap([ranges[r] for r in members], itemsizes)
-        avail = min(int(views[r].get("avail", -1)) for r in mine)
+        known = [int(views[r].get("avail", -1)) for r in mine if int(views[r].get("avail", -1)) >= 0]
+        avail = min(known, default=-1)
         if avail >= 0 and avail < wanted + union:
             notes.append(f"node {key}: {avail / 2**30:.1f} GiB free for {(wanted + union) / 2**30:.1f} GiB of "
                          "outputs and cached pages")
@@ -525,6 +554,62 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
             return held, exc
         return held, None
 
+    def deliver(j: int, rnd: tuple, held: dict) -> Optional[BaseException]:
+        """This rank's messages and copies of round ``j``, then its wants' copies out of
+        staging. Its buffers die with it: what outlives a round is the next round's reads."""
+        error = None
+        with dp.guard():  # a lost rank raises: nothing more can be sent
+            for phase in (1, 2):
+                if phase == 2 and shared is not None and any(m.phase == 2 for c in rnd for m in c.messages):
+                    dp.all_max(0)  # the relays hold what crossed between nodes
+                handles, tag, copies = [], 0, []
+                for c_i, c in enumerate(rnd):
+                    for m in c.messages:
+                        tag += 1  # the message's place in the round: the same on every rank
+                        if m.phase != phase or me not in (m.src, m.dst):
+                            continue
+                        lo, buf = held[c_i]
+                        view = buf[m.lo - lo: m.hi - lo]
+                        nbytes = view.numel() * view.element_size()
+                        if m.src == me:
+                            stats["sent"] += nbytes
+                        else:
+                            stats["received"] += nbytes
+                            if node_of[m.src] != node_of[me]:
+                                stats["from_other_nodes"] += nbytes
+                        if shared is not None and node_of[m.src] == node_of[m.dst]:
+                            if m.dst == me:
+                                src_lo = c.lo if c.owner == m.src else c.span_of(m.src)[0]
+                                src = shared.view(m.src, j, where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
+                                                  m.hi - m.lo, view.dtype)
+                                copies.append((view, src))
+                            continue
+                        if m.src == me:
+                            handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
+                        else:
+                            handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
+                _copy_all(copies, threads)  # while the messages between nodes travel
+                dp.wait_all(handles)
+        try:
+            got, pairs = 0, []
+            for c_i, c in enumerate(rnd):
+                if c_i not in held:
+                    continue
+                lo, buf = held[c_i]
+                for w in by_name.get(c.name, ()):
+                    a, b = max(w.start, lo), min(w.stop, lo + buf.numel())
+                    if a < b:
+                        dst, src = w.out[a - w.start: b - w.start], buf[a - lo: b - lo]
+                        if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
+                            pairs.append((dst, src))  # landed in staging, or a second want of the same bytes
+                        got += (b - a) * dst.element_size()
+            _copy_all(pairs, threads)
+            if progress and got:
+                progress(got)
+        except Exception as exc:
+            error = exc
+        return error
+
     # Reads of the next round overlap this round's messages and copies: its shared slot is
     # the one every rank finished with before this round's check, and its staging with this
     # round's comes to one bucket (a round's chunks are half of one).
@@ -549,56 +634,8 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
                 break
             if ahead is not None and j + 1 < len(plan.rounds):
                 pending = ahead.submit(read_round, j + 1)
-            with dp.guard():  # a lost rank raises: nothing more can be sent
-                for phase in (1, 2):
-                    if phase == 2 and shared is not None and any(m.phase == 2 for c in rnd for m in c.messages):
-                        dp.all_max(0)  # the relays hold what crossed between nodes
-                    handles, tag, copies = [], 0, []
-                    for c_i, c in enumerate(rnd):
-                        for m in c.messages:
-                            tag += 1  # the message's place in the round: the same on every rank
-                            if m.phase != phase or me not in (m.src, m.dst):
-                                continue
-                            lo, buf = held[c_i]
-                            view = buf[m.lo - lo: m.hi - lo]
-                            nbytes = view.numel() * view.element_size()
-                            if m.src == me:
-                                stats["sent"] += nbytes
-                            else:
-                                stats["received"] += nbytes
-                                if node_of[m.src] != node_of[me]:
-                                    stats["from_other_nodes"] += nbytes
-                            if shared is not None and node_of[m.src] == node_of[m.dst]:
-                                if m.dst == me:
-                                    src_lo = c.lo if c.owner == m.src else c.span_of(m.src)[0]
-                                    src = shared.view(m.src, j, where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
-                                                      m.hi - m.lo, view.dtype)
-                                    copies.append((view, src))
-                                continue
-                            if m.src == me:
-                                handles.append(dist.isend(view, dst=dp.global_of(m.dst), group=dp.group, tag=tag))
-                            else:
-                                handles.append(dist.irecv(view, src=dp.global_of(m.src), group=dp.group, tag=tag))
-                    _copy_all(copies, threads)  # while the messages between nodes travel
-                    dp.wait_all(handles)
-            try:
-                got, pairs = 0, []
-                for c_i, c in enumerate(rnd):
-                    if c_i not in held:
-                        continue
-                    lo, buf = held[c_i]
-                    for w in by_name.get(c.name, ()):
-                        a, b = max(w.start, lo), min(w.stop, lo + buf.numel())
-                        if a < b:
-                            dst, src = w.out[a - w.start: b - w.start], buf[a - lo: b - lo]
-                            if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
-                                pairs.append((dst, src))  # landed in staging, or a second want of the same bytes
-                            got += (b - a) * dst.element_size()
-                _copy_all(pairs, threads)
-                if progress and got:
-                    progress(got)
-            except Exception as exc:
-                error = exc
+            error = deliver(j, rnd, held)
+            held = None
     finally:
         if pending is not None:
             pending.result()  # never leave a thread writing into tensors the caller owns

@@ -778,8 +778,12 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
         layout, err = _discover_once(given, dp, mp, opts)
     # Whether this rank's reads go through a page cache its node's ranks share (O_DIRECT as
     # RangeReader decides it).
-    cache = (page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
-             if layout is not None else {"shared": False, "why": "", "avail": -1})
+    cache = {"shared": False, "why": "", "avail": -1}
+    if layout is not None:
+        try:  # never raise before the gather: the others would wait for this rank in it
+            cache = page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
+        except Exception as e:  # noqa: BLE001
+            cache["why"] = f"its page cache could not be checked ({type(e).__name__}: {e})"
     info = {
         "rank": dp.global_rank,
         "ok": layout is not None,
@@ -945,7 +949,7 @@ def _exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Ma
     cached, notes = (frozenset(), []) if asked == "parallel" else cached_nodes(caches, nodes, readers, ranges, sizes)
     plan = plan_exchange(order, sizes, ranges, readers, nodes, chunk_bytes_for(bucket_bytes, len(readers)), cached)
     times = f"{wanted / max(union, 1):.2f}x"
-    if not plan.moves:
+    if not plan.moves and len(readers) == len(ranges):  # (blind ranks keep the plan: the readers verify for them)
         if wanted > 1.05 * union:
             reason += (f"; the ranks want {times} the bytes there are, on one node whose page cache holds them: "
                        "each rank reads its own, the storage serves them once")

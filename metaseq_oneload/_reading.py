@@ -1153,8 +1153,9 @@ class RangeReader:
         into ``out``. Onto CUDA: two pinned buffers, each copy to the device issued without
         waiting (``non_blocking``), so the read of the next chunk runs while the last one
         travels; a buffer is refilled only after its copy's event has completed, and every
-        copy is complete on return. Host memory: two chunks; device memory: ``out`` plus a
-        chunk where the copy casts."""
+        copy is complete on return. (A copy that also casts converts on the host first, into
+        pageable memory, so it waits.) Host memory: two chunks (three where a copy casts);
+        device memory: ``out``."""
         n = out.numel()
         step = max(1, self.chunk_bytes // itemsize)
         cuda = out.device.type == "cuda" and torch.cuda.is_available()

@@ -219,3 +219,28 @@ def test_page_cache_view(tmp_path):
     assert proc["shared"] is False and "proc" in proc["why"], proc
     remote = page_cache_view(["s3://bucket/x.pt"])
     assert remote["shared"] is False and "object storage" in remote["why"]
+
+
+def test_the_plan_stays_where_blind_ranks_are_even_if_nothing_moves():
+    from metaseq_oneload._loading import _exchange_choice
+
+    # readers 0 and 1 want disjoint halves, blind rank 2 wants nothing: no message, but the
+    # readers still verify for the blind rank through the exchange's path
+    ranges = _ranges([{"a": [(0, 500)]}, {"a": [(500, 1000)]}, {}])
+    views = [_view()] * 3
+    strategy, _, plan = _exchange_choice("parallel", "auto", "", ranges, SIZES, ["a"], [0, 1], ["n"] * 3, views,
+                                         1 << 20)
+    assert strategy == "parallel" and plan is not None and not plan.moves
+    # with every rank a reader the same wants need no plan at all
+    ranges = _ranges([{"a": [(0, 500)]}, {"a": [(500, 1000)]}])
+    assert _exchange_choice("reshard", "auto", "", ranges, SIZES, ["a"], [0, 1], ["n"] * 2, views[:2],
+                            1 << 20)[2] is None
+
+
+def test_an_unknown_memory_report_does_not_hide_a_known_shortfall():
+    ranges = _everything(2)
+    total = sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    ok, notes = cached_nodes([_view(avail=-1), _view(avail=total)], ["n", "n"], [0, 1], ranges, SIZES)
+    assert ok == frozenset() and notes
+    ok, _ = cached_nodes([_view(avail=-1), _view(avail=-1)], ["n", "n"], [0, 1], ranges, SIZES)
+    assert ok == {"n"}
