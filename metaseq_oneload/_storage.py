@@ -605,21 +605,8 @@ class RemoteFile(io.RawIOBase):
 
 
 def open_ro(path: str):
-    """What the zip parser reads through: a descriptor for a local file, a RemoteFile for a URL.
-
-    The parser reads a few dozen bytes at each record of the archive (its local header,
-    checked against the central directory), spread over the whole file: on a local file
-    the kernel's read-ahead would turn each of those into megabytes (8 MiB windows on a
-    virtio disk) and a cold inspection into a read of the whole file. So no read-ahead."""
-    if is_url(path):
-        return RemoteFile(path)
-    fd = os.open(path, os.O_RDONLY)
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except OSError:
-            pass
-    return fd
+    """What the zip parser reads through: a descriptor for a local file, a RemoteFile for a URL."""
+    return os.open(path, os.O_RDONLY) if not is_url(path) else RemoteFile(path)
 
 
 def fsize(fd) -> int:
