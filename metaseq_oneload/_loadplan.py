@@ -20,7 +20,7 @@ import torch
 
 from ._dist import Group
 from ._layout import CheckpointLayout
-from ._exchange import _in_place, _shared_slots, page_cache_view
+from ._exchange import _in_place, _merged, _shared_slots, page_cache_view
 from ._loading import _choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
 from ._reading import _env_flag
@@ -65,6 +65,12 @@ class LoadPlan:
     reason: str
     model_bytes: int  # tensor bytes of the whole checkpoint
     ranks: Tuple[RankPlan, ...] = field(default=())
+    # What the storage serves, where the ranks' page cache serves their repeats (-1: as read)
+    storage: int = -1
+
+    @property
+    def storage_bytes(self) -> int:
+        return self.bytes_read if self.storage < 0 else self.storage
 
     @property
     def bytes_read(self) -> int:
@@ -78,18 +84,20 @@ class LoadPlan:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ranks"] = [dict(dataclasses.asdict(r), peak_bytes=r.peak_bytes) for r in self.ranks]
-        d["bytes_read"], d["network_bytes"] = self.bytes_read, self.network_bytes
+        d["bytes_read"], d["network_bytes"], d["storage_bytes"] = self.bytes_read, self.network_bytes, self.storage_bytes
+        d.pop("storage")
         return d
 
 
 class _CountingReader:
     """Stands in for RangeReader: counts what the fill code asks for, reads nothing."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, spans: Optional[dict] = None):
         self.chunk_bytes = chunk_bytes
         self.bytes_read = 0
         self.reads = 0
         self.files: Dict[str, None] = {}
+        self.spans = spans  # path -> [(first byte, past the last)], shared by the ranks of a node
 
     def read_extent(self, ext, start, out, dtype) -> None:
         n = out.numel()
@@ -101,7 +109,11 @@ class _CountingReader:
             # its bytes_read counts range reads only; so does this count.
             return
         self.reads += 1
-        self.bytes_read += n * torch.empty((), dtype=dtype).element_size()
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        self.bytes_read += nbytes
+        if self.spans is not None:
+            at = ext.byte_offset + start * (nbytes // n)
+            self.spans.setdefault(ext.path, []).append((at, at + nbytes))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -173,6 +185,10 @@ def plan_load(
                              flat, Group(None, "data-parallel"))
     cache = page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
     ranks = []
+    # Bytes the ranks read each on their own: on one node with a page cache, one read of
+    # each serves them all.
+    spans: dict = {}
+    plain = 0
     for m in range(model_parallel):
         targets = plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype)
         structure = None
@@ -198,9 +214,10 @@ def plan_load(
                 ranks += _parallel_part(m, model_parallel, targets, per_dp, outs, plan, sizes, opts)
                 continue
         for d, wants in enumerate(per_dp):
-            reader = _CountingReader(opts.chunk_bytes)
+            reader = _CountingReader(opts.chunk_bytes, spans)
             for w in wants:
                 _fill(targets[w.name], w.out, w.start, reader)
+            plain += reader.bytes_read
             extra = _staging_bytes(targets, wants, opts.chunk_bytes)
             ranks.append(RankPlan(d * model_parallel + m, m, d, tuple(reader.files), reader.reads,
                                   reader.bytes_read, outs[d], 0, 0, extra))
@@ -208,7 +225,9 @@ def plan_load(
     return LoadPlan(path=layout.display_name, kind=layout.kind, saved_model_parallel=layout.model_parallel_size,
                     saved_shards=layout.shards_per_part, saved_flat=layout.flat, world=world,
                     model_parallel=model_parallel, flat=flat, strategy=chosen, reason=reason,
-                    model_bytes=layout.total_bytes, ranks=tuple(ranks))
+                    model_bytes=layout.total_bytes, ranks=tuple(ranks),
+                    storage=(sum(r.bytes_read for r in ranks) - plain
+                             + sum(hi - lo for iv in spans.values() for lo, hi in _merged(iv))) if cache["shared"] else -1)
 
 
 def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, plan, sizes, opts: _Options) -> list:

@@ -327,8 +327,11 @@ def _plan_table(plan) -> str:
         ["target", f"world {plan.world} = {plan.model_parallel} model-parallel x {dp} data-parallel, "
                    f"{'flat' if plan.flat else 'unflattened'}"],
         ["strategy", f"{plan.strategy}: {plan.reason}"],
-        ["read", f"{human_bytes(plan.bytes_read)} from storage in all ({ratio:.2f}x the checkpoint's "
-                 f"{human_bytes(plan.model_bytes)} of tensors)"],
+        ["read", f"{human_bytes(plan.bytes_read)} by the ranks in all ({ratio:.2f}x the checkpoint's "
+                 f"{human_bytes(plan.model_bytes)} of tensors)"
+                 + ("" if plan.storage_bytes >= plan.bytes_read else
+                    f"; the storage serves {human_bytes(plan.storage_bytes)} "
+                    f"({plan.storage_bytes / max(plan.model_bytes, 1):.2f}x), the node's page cache the rest")],
         ["network", f"{human_bytes(plan.network_bytes)} between ranks"],
         ["peak", f"{human_bytes(max(r.peak_bytes for r in plan.ranks))} on the busiest rank "
                  "(output + the strategy's buffers, docs/loading.md)"],

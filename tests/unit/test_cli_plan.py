@@ -31,6 +31,23 @@ def test_json_per_rank(capsys):
     assert reader["peak_extra_bytes"] == 256 << 20  # the bucket, as the engine allocates it
 
 
+def test_full_weights_on_one_node_read_through_its_page_cache(capsys):
+    from metaseq_oneload._exchange import page_cache_view
+
+    assert main(["plan", str(FIXTURES / "singleton"), "-w", "3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    one = d["ranks"][0]["bytes_read"]
+    assert [r["bytes_read"] for r in d["ranks"]] == [one] * 3 and d["network_bytes"] == 0
+    if page_cache_view([str(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")])["shared"]:
+        # each rank reads its own copy; the storage serves the bytes once
+        assert d["storage_bytes"] == one and "page cache" in d["reason"] and d["strategy"] == "reshard"
+    else:  # no page cache to count on: read once among the ranks and exchanged
+        assert d["strategy"] == "parallel"
+    assert main(["plan", str(FIXTURES / "singleton"), "-w", "3", "--strategy", "parallel", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["bytes_read"] == d["storage_bytes"] == one and d["network_bytes"] == 2 * one
+
+
 def test_own_shard_reads_each_rank_its_file(capsys):
     assert main(["plan", str(FIXTURES / "shard_only"), "-w", "2", "--flat", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
