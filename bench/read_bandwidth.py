@@ -37,17 +37,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench._report import print_table, proc_io  # noqa: E402
+from bench._report import drop_cache, print_table, proc_io  # noqa: E402
 
 MiB = 1 << 20
-
-
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _pread_all(fd: int, buf, size: int, step: int) -> None:
@@ -184,7 +176,7 @@ def main(argv=None) -> int:
             for rnd in range(args.repeats):
                 for label, mode, n, env in modes:
                     if state == "cold":
-                        _drop_cache(path)
+                        drop_cache([path])
                     r = _run(mode, path, n, env)
                     results.setdefault((state, label), []).append(r)
                     print(f"  {state} round {rnd + 1}: {label}: {r['seconds']:.2f} s", file=sys.stderr)

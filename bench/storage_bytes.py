@@ -61,7 +61,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench._report import measure_rank  # noqa: E402
+from bench._report import drop_cache, measure_rank  # noqa: E402
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
             "torch.distributed.checkpoint.state_dict", "safetensors.torch", "metaseq_oneload",
@@ -206,17 +206,6 @@ def _worker(rank: int, world: int, store: str, kind: str, files: dict, dims: dic
 # --------------------------------------------------------------------------- driving (the parent)
 
 
-def _drop_cache(paths) -> None:
-    for p in paths:
-        for f in ([os.path.join(p, n) for n in os.listdir(p)] if os.path.isdir(p) else [p]):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _files_of(kind: str, files: dict) -> list:
     if kind.startswith("ours:"):
         src = kind.split(":")[1]
@@ -226,7 +215,7 @@ def _files_of(kind: str, files: dict) -> list:
 
 
 def run(ctx, kind: str, world: int, files: dict, dims: dict, tmp: str, env: dict) -> dict:
-    _drop_cache(_files_of(kind, files))
+    drop_cache(_files_of(kind, files))
     store = os.path.join(tmp, f"store-{kind.replace(':', '_')}-{world}-{time.time_ns()}")
     out = store + ".out"
     procs = [ctx.Process(target=_worker, args=(r, world, store, kind, files, dims, out, env)) for r in range(world)]

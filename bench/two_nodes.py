@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._report import print_table, proc_io, proc_status  # noqa: E402
+from bench._report import drop_cache, print_table, proc_io, proc_status  # noqa: E402
 
 
 def worker(out: str, root: str, scenario: str, mode: str) -> None:
@@ -74,16 +74,6 @@ def worker(out: str, root: str, scenario: str, mode: str) -> None:
 
 def _slug(scenario: str, mode: str) -> str:
     return f"{scenario}-{mode}".replace(" ", "_").replace(",", "")
-
-
-def _drop(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _agents(out: str, root: str, scenario: str, mode: str) -> None:
@@ -132,7 +122,7 @@ def main(argv=None) -> int:
                 out = os.path.join(tmp, "out")
                 os.makedirs(out, exist_ok=True)
                 if args.cold:
-                    _drop([os.path.join(tmp, n, "synth.pt") for n in ("node0", "node1")])
+                    drop_cache([os.path.join(tmp, n, "synth.pt") for n in ("node0", "node1")])
                 _agents(out, tmp, scenario, mode)
                 per = [json.load(open(os.path.join(out, f"{_slug(scenario, mode)}-{r}.json"))) for r in range(4)]
                 rows.append({"gib": gib, "scenario": scenario, "mode": mode, "strategy": per[0]["strategy"],
