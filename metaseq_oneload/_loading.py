@@ -779,7 +779,7 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     # Whether this rank's reads go through a page cache its node's ranks share (O_DIRECT as
     # RangeReader decides it).
     cache = {"shared": False, "why": "", "avail": -1}
-    if layout is not None:
+    if layout is not None and dp.active and dp.size > 1:  # only ranks that may share bytes ask
         try:  # never raise before the gather: the others would wait for this rank in it
             cache = page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
         except Exception as e:  # noqa: BLE001
