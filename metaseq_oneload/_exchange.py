@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group
+from ._reading import direct_by_default
+from ._storage import is_url
 
 logger = logging.getLogger("metaseq_oneload")
 
@@ -138,12 +140,13 @@ def _available_memory() -> Optional[int]:
     return avail
 
 
-def page_cache_view(paths: Sequence[str], direct: bool = False) -> dict:
+def page_cache_view(paths: Sequence[str], direct: Optional[bool] = None) -> dict:
     """(local) What this rank tells the others about its reads of ``paths``: whether they go
     through its host's page cache (``shared``, with ``why`` not), and the memory left for
-    it (``avail``, bytes, -1 unknown). JSON, for the gathered rank descriptions."""
-    from ._storage import is_url
-
+    it (``avail``, bytes, -1 unknown). JSON, for the gathered rank descriptions.
+    ``direct``: whether the reads use ``O_DIRECT`` (default: as a RangeReader decides)."""
+    if direct is None:
+        direct = direct_by_default()
     avail = _available_memory()
     view = {"shared": False, "why": "", "avail": -1 if avail is None else avail}
     if direct:
@@ -337,7 +340,7 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
         read_bytes[owner] += nbytes
         messages, held = [], dict(spans)
         home = node_of[owner]
-        storage[home] += (hi - lo) * size
+        storage[home] += nbytes
         self_read = ()
         if home in cached_ids:
             self_read = tuple(r for r in sorted(spans) if r != owner and r in is_reader and node_of[r] == home)
@@ -528,7 +531,7 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
         if not shared.ok:
             shared = None
 
-    if reader is not None and hasattr(reader, "set_readahead") and sum(1 for b in plan.storage_bytes if b) > 1:
+    if reader is not None and sum(1 for b in plan.storage_bytes if b) > 1:
         reader.set_readahead(False)  # the nodes read disjoint runs of the files
 
     def read_round(j: int) -> tuple:
@@ -620,13 +623,9 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     try:
         for j, rnd in enumerate(plan.rounds):
             dp.at(f"{step} (parallel read, round {j + 1} of {len(plan.rounds)})")
-            if pending is not None:
-                held, exc = pending.result()
-                pending = None
-            elif error is None:
-                held, exc = read_round(j)
-            else:
-                held, exc = {}, None
+            # (an error of the last round's copies is said at this round's check below)
+            held, exc = pending.result() if pending is not None else read_round(j)
+            pending = None
             error = error or exc
             # Only if every rank read and made room does anyone send (and the readers' shared
             # segments hold this round's bytes once everyone is past this point).

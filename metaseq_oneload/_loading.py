@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadErr
 from ._layout import CheckpointLayout, StoredTensor
 from .formats import adopt, discover, to_wire
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
-from ._reading import RangeReader, _env_flag
+from ._reading import RangeReader
 from ._storage import is_url
 
 __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
@@ -293,8 +294,6 @@ _scratches: dict = {}  # (pid, thread, dtype) -> buffer
 
 
 def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    import threading
-
     key = (os.getpid(), threading.get_ident(), dtype)
     buf = _scratches.get(key)
     if buf is None or buf.numel() < numel:
@@ -776,12 +775,11 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     settle(groups, error, f"loading {path}: agreeing on the options")
     if layout is None:
         layout, err = _discover_once(given, dp, mp, opts)
-    # Whether this rank's reads go through a page cache its node's ranks share (O_DIRECT as
-    # RangeReader decides it).
+    # Whether this rank's reads go through a page cache its node's ranks share.
     cache = {"shared": False, "why": "", "avail": -1}
     if layout is not None and dp.active and dp.size > 1:  # only ranks that may share bytes ask
         try:  # never raise before the gather: the others would wait for this rank in it
-            cache = page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
+            cache = page_cache_view([f.path for f in layout.all_files])
         except Exception as e:  # noqa: BLE001
             cache["why"] = f"its page cache could not be checked ({type(e).__name__}: {e})"
     info = {

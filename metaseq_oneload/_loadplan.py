@@ -23,7 +23,6 @@ from ._layout import CheckpointLayout
 from ._exchange import _in_place, _merged, _shared_slots, page_cache_view
 from ._loading import _choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
 from ._plan import BlockCopy, FlatStructure, plan_part
-from ._reading import _env_flag
 from .formats import discover
 
 __all__ = ["RankPlan", "LoadPlan", "plan_load"]
@@ -65,12 +64,8 @@ class LoadPlan:
     reason: str
     model_bytes: int  # tensor bytes of the whole checkpoint
     ranks: Tuple[RankPlan, ...] = field(default=())
-    # What the storage serves, where the ranks' page cache serves their repeats (-1: as read)
-    storage: int = -1
-
-    @property
-    def storage_bytes(self) -> int:
-        return self.bytes_read if self.storage < 0 else self.storage
+    # What the storage serves: the bytes read, less the repeats a node's page cache serves
+    storage_bytes: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -84,8 +79,7 @@ class LoadPlan:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ranks"] = [dict(dataclasses.asdict(r), peak_bytes=r.peak_bytes) for r in self.ranks]
-        d["bytes_read"], d["network_bytes"], d["storage_bytes"] = self.bytes_read, self.network_bytes, self.storage_bytes
-        d.pop("storage")
+        d["bytes_read"], d["network_bytes"] = self.bytes_read, self.network_bytes
         return d
 
 
@@ -183,7 +177,7 @@ def plan_load(
     info = {"rank": 0, "ok": True, "blind": False, "fp": layout.fingerprint(), "err": None, "desc": ""}
     chosen, reason = _choose(opts, [dict(info, rank=d) for d in range(dp_size)], layout, model_parallel, dp_size,
                              flat, Group(None, "data-parallel"))
-    cache = page_cache_view([f.path for part in layout.files for f in part], _env_flag("METASEQ_ONELOAD_O_DIRECT"))
+    cache = page_cache_view([f.path for f in layout.all_files])
     ranks = []
     # Bytes the ranks read each on their own: on one node with a page cache, one read of
     # each serves them all.
@@ -222,12 +216,13 @@ def plan_load(
             ranks.append(RankPlan(d * model_parallel + m, m, d, tuple(reader.files), reader.reads,
                                   reader.bytes_read, outs[d], 0, 0, extra))
     ranks.sort(key=lambda r: r.rank)
+    read = sum(r.bytes_read for r in ranks)
     return LoadPlan(path=layout.display_name, kind=layout.kind, saved_model_parallel=layout.model_parallel_size,
                     saved_shards=layout.shards_per_part, saved_flat=layout.flat, world=world,
                     model_parallel=model_parallel, flat=flat, strategy=chosen, reason=reason,
                     model_bytes=layout.total_bytes, ranks=tuple(ranks),
-                    storage=(sum(r.bytes_read for r in ranks) - plain
-                             + sum(hi - lo for iv in spans.values() for lo, hi in _merged(iv))) if cache["shared"] else -1)
+                    storage_bytes=(read - plain + sum(hi - lo for iv in spans.values() for lo, hi in _merged(iv))
+                                   if cache["shared"] else read))
 
 
 def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, plan, sizes, opts: _Options) -> list:

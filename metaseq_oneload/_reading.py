@@ -877,6 +877,12 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def direct_by_default() -> bool:
+    """Whether a RangeReader made without ``direct`` reads with ``O_DIRECT``
+    (``$METASEQ_ONELOAD_O_DIRECT``)."""
+    return _env_flag("METASEQ_ONELOAD_O_DIRECT")
+
+
 class RangeReader:
     """(any rank, local) Reads element ranges of stored tensors into destination tensors.
 
@@ -910,7 +916,7 @@ class RangeReader:
         self.read_threads = int(read_threads)
         # whole MiB: every cut lies on a page (and O_DIRECT block) boundary of the file
         self.split_bytes = max(_MIN_PIECE, int(split_bytes) // _MIN_PIECE * _MIN_PIECE)
-        self.direct = _env_flag("METASEQ_ONELOAD_O_DIRECT") if direct is None else bool(direct)
+        self.direct = direct_by_default() if direct is None else bool(direct)
         self._fds: dict[str, int] = {}
         self._direct_fds: dict = {}  # path -> O_DIRECT descriptor, or None where refused
         self._objects: dict[str, Any] = {}
