@@ -10,7 +10,10 @@ as Megatron-Core's fully parallel load and Orbax's single-replica restore do.
 Node-aware: ranks are grouped by node (torchrun's ``GROUP_RANK``, else the host name). A
 piece travels to another node once, to one rank of it (the relay), which hands it to the
 node's other ranks; so every node receives each byte it needs at most once over the network.
-Files seen by only some nodes (node-local disks) are read by the ranks that see them.
+Files seen by only some nodes (node-local disks) are read by the ranks that see them. Where
+nodes have copies of their own (a local disk each, checked: ``private_nodes``), each reads its
+own: the cluster's one read is for storage the nodes share (a network filesystem, an object
+store), and a local read beats the network.
 
 The plan is a pure function of what every rank gathered (wants, readers, nodes), computed
 alike on every rank, so every rank posts matching sends and receives in one order. Reads go
@@ -38,7 +41,7 @@ from ._storage import is_url
 
 logger = logging.getLogger("metaseq_oneload")
 
-__all__ = ["node_key", "page_cache_view", "cached_nodes", "ExchangePlan", "plan_exchange", "exchange_loop",
+__all__ = ["node_key", "page_cache_view", "cached_nodes", "private_nodes", "ExchangePlan", "plan_exchange", "exchange_loop",
            "overlap", "chunk_bytes_for"]
 
 
@@ -62,6 +65,16 @@ def node_key() -> str:
 _CACHED_FS = frozenset({
     "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs", "ramfs", "overlay",
     "squashfs", "nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cephfs", "wekafs",
+})
+
+
+# Filesystems whose bytes live on the node itself (its disks, its memory): another node's copy
+# of the files is other storage, and this node reading its own copy takes nothing from it.
+# Network filesystems, FUSE (object stores, gcsfuse, JuiceFS...) and anything not named here
+# may be one storage behind every node: there, every byte is read once per cluster.
+_PRIVATE_FS = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs", "ramfs", "overlay",
+    "squashfs",
 })
 
 
@@ -142,30 +155,51 @@ def _available_memory() -> Optional[int]:
 
 def page_cache_view(paths: Sequence[str], direct: Optional[bool] = None) -> dict:
     """(local) What this rank tells the others about its reads of ``paths``: whether they go
-    through its host's page cache (``shared``, with ``why`` not), and the memory left for
-    it (``avail``, bytes, -1 unknown). JSON, for the gathered rank descriptions.
-    ``direct``: whether the reads use ``O_DIRECT`` (default: as a RangeReader decides)."""
+    through its host's page cache (``shared``, with ``why`` not), whether the files lie on
+    storage of this node's own (``private``: a local disk or memory filesystem, named in
+    ``fs``), and the memory left for the page cache (``avail``, bytes, -1 unknown). JSON,
+    for the gathered rank descriptions. ``direct``: whether the reads use ``O_DIRECT``
+    (default: as a RangeReader decides)."""
     if direct is None:
         direct = direct_by_default()
     avail = _available_memory()
-    view = {"shared": False, "why": "", "avail": -1 if avail is None else avail}
-    if direct:
-        view["why"] = "reads bypass the page cache (O_DIRECT)"
+    view = {"shared": False, "why": "", "avail": -1 if avail is None else avail, "private": False, "fs": ""}
+    if any(is_url(p) for p in paths):
+        view["why"], view["fs"] = "object storage has no page cache", "object storage"
         return view
     kinds = {}
     for p in paths:
-        if is_url(p):
-            view["why"] = "object storage has no page cache"
-            return view
         d = os.path.dirname(os.path.abspath(p))
         if d not in kinds:
             kinds[d] = _fs_type(d)
-    odd = sorted({str(k) for k in kinds.values() if k not in _CACHED_FS})
+    names = sorted({str(k) for k in kinds.values()})
+    view["fs"] = ", ".join(names)
+    view["private"] = bool(kinds) and all(k in _PRIVATE_FS for k in kinds.values())
+    if direct:
+        view["why"] = "reads bypass the page cache (O_DIRECT)"
+        return view
+    odd = [k for k in names if k not in _CACHED_FS]
     if odd or not kinds:
         view["why"] = f"the files lie on {', '.join(odd) or 'no'} filesystem(s), whose reads may not be cached"
         return view
     view["shared"] = True
     return view
+
+
+def private_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequence[int]) -> frozenset:
+    """(local, the same on every rank) Node keys whose every reader sees the files on storage
+    of its node's own (``page_cache_view``'s ``private``), where there is more than one
+    node: each of them reads what its ranks want from its own copy rather than over the
+    network from another node's."""
+    if len(set(nodes)) < 2:
+        return frozenset()
+    readers = set(readers)
+    out = set()
+    for key in dict.fromkeys(nodes):
+        mine = [r for r, n in enumerate(nodes) if n == key and r in readers]
+        if mine and all(views[r].get("private") for r in mine):
+            out.add(key)
+    return frozenset(out)
 
 
 def cached_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequence[int],
@@ -271,7 +305,7 @@ def overlap(ranges: Sequence[Mapping], itemsizes: Mapping[str, int]) -> tuple:
 
 def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Sequence[Mapping],
                   readers: Sequence[int], nodes: Sequence[str], chunk_bytes: int,
-                  cached: frozenset = frozenset()) -> ExchangePlan:
+                  cached: frozenset = frozenset(), private: frozenset = frozenset()) -> ExchangePlan:
     """(local, identical on every rank) Who reads which chunk and who sends what to whom.
 
     ``order``: target names in the one order every rank walks; ``ranges[r]``: rank r's wants
@@ -280,7 +314,9 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
     a page cache over the files (``cached_nodes``). On such a node, every reader that wants
     a chunk the node reads reads its own span: the storage serves the node once, the
     repeats are copies out of the cache, and nothing travels inside the node but what
-    blind ranks want.
+    blind ranks want. ``private``: node keys with a copy of the files on storage of their
+    own (``private_nodes``): such a node reads whatever its ranks want from its copy, and
+    nothing crosses into it; it also serves nodes that can read nothing themselves.
     """
     if not readers:
         raise ValueError("no rank can read the files")
@@ -299,7 +335,13 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
     storage = [0] * len(node_ids)
     is_reader = set(readers)
     cached_ids = {node_ids[k] for k in cached if k in node_ids}
-    todo = []  # (name, itemsize, lo, hi, {rank: its span}) in the order every rank walks
+    private_ids = {node_ids[k] for k in private if k in node_ids} & {node_of[r] for r in readers}
+    # Who reads for whom: a private node for its own ranks; everyone else (nodes on shared
+    # storage, nodes that see nothing) from the readers outside the private nodes, or, where
+    # there are none, from a private node that reads the piece anyway.
+    domain_readers: dict = {d: [r for r in readers if node_of[r] == d] for d in private_ids}
+    domain_readers[None] = [r for r in readers if node_of[r] not in private_ids]
+    todo = []  # (name, itemsize, lo, hi, [(domain, {rank: its span}), ...]) in the order every rank walks
     for name in order:
         items = wanted.get(name)
         if not items:
@@ -313,62 +355,75 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
         for lo0, hi0 in pieces:
             for lo in range(lo0, hi0, per):
                 hi = min(hi0, lo + per)
-                spans = {}
+                groups: dict = {}
                 for a, b, r in items:
                     x, y = max(a, lo), min(b, hi)
                     if x < y:
-                        s = spans.get(r)
-                        spans[r] = (x, y) if s is None else (min(s[0], x), max(s[1], y))
-                todo.append((name, size, lo, hi, spans))
+                        g = groups.setdefault(node_of[r] if node_of[r] in private_ids else None, {})
+                        s = g.get(r)
+                        g[r] = (x, y) if s is None else (min(s[0], x), max(s[1], y))
+                rest = groups.pop(None, None)
+                subs = sorted(groups.items())
+                if rest:
+                    if domain_readers[None] or not subs:
+                        subs.append((None, rest))
+                    else:
+                        subs[0] = (subs[0][0], {**subs[0][1], **rest})
+                todo.append((name, size, lo, hi, subs))
     # Readers take contiguous runs, in node order: the k-th of n readers the k-th n-th of the
-    # bytes. Interleaved chunks would each be fetched with their neighbours by the kernel's
-    # read-ahead (8 MiB on a virtio disk, more on network filesystems), so a node pulling
-    # every other tensor would pull nearly all of them.
-    ordered = sorted(readers, key=lambda r: (node_of[r], r))
-    total = sum((hi - lo) * size for _, size, lo, hi, _ in todo)
-    at = 0
-    for name, size, lo, hi, spans in todo:
+    # bytes (of what their domain reads). Interleaved chunks would each be fetched with their
+    # neighbours by the kernel's read-ahead (8 MiB on a virtio disk, more on network
+    # filesystems), so a node pulling every other tensor would pull nearly all of them.
+    total: dict = {}
+    for _, size, lo, hi, subs in todo:
+        for d, _ in subs:
+            total[d] = total.get(d, 0) + (hi - lo) * size
+    at = dict.fromkeys(total, 0)
+    for name, size, lo, hi, subs in todo:
         nbytes = (hi - lo) * size
-        turn = ordered[min(len(ordered) - 1, (at + nbytes // 2) * len(ordered) // max(1, total))]
-        at += nbytes
-        # A reader that wants the chunk reads it (its copy lands in place): the one whose turn
-        # it is, else the one with the fewest bytes so far (balanced by what each node pulls
-        # from storage, where nodes share a page cache).
-        cands = [r for r in readers if r in spans] or list(readers)
-        owner = turn if turn in cands else min(
-            cands, key=lambda r: (storage[node_of[r]] if cached_ids else 0, read_bytes[r], r))
-        read_bytes[owner] += nbytes
-        messages, held = [], dict(spans)
-        home = node_of[owner]
-        storage[home] += nbytes
-        self_read = ()
-        if home in cached_ids:
-            self_read = tuple(r for r in sorted(spans) if r != owner and r in is_reader and node_of[r] == home)
-            for r in self_read:
-                read_bytes[r] += (spans[r][1] - spans[r][0]) * size
-        by_node: dict = {}
-        for r in sorted(spans):
-            if r != owner and r not in self_read:
-                by_node.setdefault(node_of[r], []).append(r)
-        for nd, members in by_node.items():
-            if nd == home or len(members) == 1:
-                for r in members:
-                    messages.append(Message(1, owner, r, *spans[r]))
-                    if nd != home:
-                        remote[nd] += (spans[r][1] - spans[r][0]) * size
-                continue
-            # Another node with several takers: the chunk crosses once, to a relay.
-            relay = members[0]
-            x = min(spans[r][0] for r in members)
-            y = max(spans[r][1] for r in members)
-            held[relay] = (x, y)
-            messages.append(Message(1, owner, relay, x, y))
-            remote[nd] += (y - x) * size
-            for r in members[1:]:
-                messages.append(Message(2, relay, r, *spans[r]))
-        held.setdefault(owner, (lo, hi))
-        per_owner[owner].append(Chunk(name, lo, hi, owner, tuple(messages),
-                                      tuple(sorted((r, a, b) for r, (a, b) in held.items())), self_read))
+        for d, spans in subs:
+            pool = domain_readers[d] or list(readers)
+            ordered = sorted(pool, key=lambda r: (node_of[r], r))
+            turn = ordered[min(len(ordered) - 1, (at[d] + nbytes // 2) * len(ordered) // max(1, total[d]))]
+            at[d] += nbytes
+            # A reader that wants the chunk reads it (its copy lands in place): the one whose
+            # turn it is, else the one with the fewest bytes so far (balanced by what each node
+            # pulls from storage, where nodes share a page cache).
+            cands = [r for r in pool if r in spans] or pool
+            owner = turn if turn in cands else min(
+                cands, key=lambda r: (storage[node_of[r]] if cached_ids else 0, read_bytes[r], r))
+            read_bytes[owner] += nbytes
+            messages, held = [], dict(spans)
+            home = node_of[owner]
+            storage[home] += nbytes
+            self_read = ()
+            if home in cached_ids:
+                self_read = tuple(r for r in sorted(spans) if r != owner and r in is_reader and node_of[r] == home)
+                for r in self_read:
+                    read_bytes[r] += (spans[r][1] - spans[r][0]) * size
+            by_node: dict = {}
+            for r in sorted(spans):
+                if r != owner and r not in self_read:
+                    by_node.setdefault(node_of[r], []).append(r)
+            for nd, members in by_node.items():
+                if nd == home or len(members) == 1:
+                    for r in members:
+                        messages.append(Message(1, owner, r, *spans[r]))
+                        if nd != home:
+                            remote[nd] += (spans[r][1] - spans[r][0]) * size
+                    continue
+                # Another node with several takers: the chunk crosses once, to a relay.
+                relay = members[0]
+                x = min(spans[r][0] for r in members)
+                y = max(spans[r][1] for r in members)
+                held[relay] = (x, y)
+                messages.append(Message(1, owner, relay, x, y))
+                remote[nd] += (y - x) * size
+                for r in members[1:]:
+                    messages.append(Message(2, relay, r, *spans[r]))
+            held.setdefault(owner, (lo, hi))
+            per_owner[owner].append(Chunk(name, lo, hi, owner, tuple(messages),
+                                          tuple(sorted((r, a, b) for r, (a, b) in held.items())), self_read))
     # A round takes from each reader its next chunks up to ``chunk_bytes``: small tensors
     # share a round, so a model of many small tensors does not pay a collective for each.
     batches: dict = {}

@@ -27,13 +27,16 @@ the layout with the other ranks, picks a strategy, and fills the wants:
     (one that wants it where it can, balanced by bytes) and sent point to point to the
     others, a node's share crossing the network once (see ``_exchange``). ``auto`` picks it
     when ranks on different nodes want the same bytes (``flat=False``, replicated tensors)
-    or some cannot see the files; ``own_shard`` and ``reshard`` read bytes wanted by several
-    ranks the same way. Ranks of one node whose page cache holds the files (checked:
+    from shared storage (a network filesystem, an object store), or some cannot see the
+    files; ``own_shard`` and ``reshard`` read bytes wanted by several ranks the same way.
+    Ranks of one node whose page cache holds the files (checked:
     ``_exchange.page_cache_view``, ``cached_nodes``) each read what they want through it,
-    so inside a node nothing travels but what crossed into it; asked for by name, it reads
-    every byte once in all, inside a node too. Storage bytes read, summed over the cluster
-    = the model's bytes (not W times). Peak extra = output + at most one bucket of staging
-    per rank, + the node's shared-memory slots.
+    so inside a node nothing travels but what crossed into it; a node with a copy on a disk
+    of its own (``private_nodes``) reads what its ranks want there, and nothing crosses
+    into it. Asked for by name, it reads every byte once in all, inside a node and across
+    own copies too. Storage bytes read, summed over the cluster = the model's bytes (not W
+    times; once per copy where nodes have their own). Peak extra = output + at most one
+    bucket of staging per rank, + the node's shared-memory slots.
 
 With no process group at all everything runs locally in one process (no collectives).
 """
@@ -57,7 +60,8 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle
-from ._exchange import cached_nodes, chunk_bytes_for, exchange_loop, node_key, overlap, page_cache_view, plan_exchange
+from ._exchange import (cached_nodes, chunk_bytes_for, exchange_loop, node_key, overlap, page_cache_view, plan_exchange,
+                        private_nodes)
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
                       cap_list)
 from ._layout import CheckpointLayout, StoredTensor
@@ -933,33 +937,45 @@ def _exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Ma
                      bucket_bytes: int) -> tuple:
     """(local, the same on every rank of a data-parallel group) (strategy, reason, the
     exchange plan or None), given every rank's wanted ranges, which ranks read, their nodes
-    and their page-cache views (``_exchange.page_cache_view``).
+    and their views of the files (``_exchange.page_cache_view``).
 
     ``parallel`` asked for reads every byte once in all and sends it on, even between ranks
-    of one node. Otherwise, where ranks want the same bytes: each node pulls them from
-    storage once. Ranks of a node whose page cache can hold them each read their own (the
-    repeats are memory copies out of the cache, cheaper than a message's two); only what
-    other nodes and blind ranks want travels, and ``auto`` says ``parallel`` where anything
-    does. One node that needs no message keeps the strategy it had."""
+    of one node and between nodes that each have a copy. Otherwise, where ranks want the
+    same bytes: a node with a copy on a disk of its own reads what its ranks want from it
+    (no other storage is asked, and a local read beats the network); nodes on shared storage
+    (network filesystems, object stores) read each byte once between them and send it on.
+    Ranks of a node whose page cache can hold the bytes each read their own (the repeats are
+    memory copies out of the cache, cheaper than a message's two); only what other nodes and
+    blind ranks want travels, and ``auto`` says ``parallel`` where anything does. Where
+    nothing needs to travel, the strategy stays as it was."""
     wanted, union = overlap(ranges, sizes)
     if strategy != "parallel" and wanted <= 1.05 * union:
         return strategy, reason, None
-    cached, notes = (frozenset(), []) if asked == "parallel" else cached_nodes(caches, nodes, readers, ranges, sizes)
-    plan = plan_exchange(order, sizes, ranges, readers, nodes, chunk_bytes_for(bucket_bytes, len(readers)), cached)
+    strict = asked == "parallel"
+    cached, notes = (frozenset(), []) if strict else cached_nodes(caches, nodes, readers, ranges, sizes)
+    private = frozenset() if strict else private_nodes(caches, nodes, readers)
+    plan = plan_exchange(order, sizes, ranges, readers, nodes, chunk_bytes_for(bucket_bytes, len(readers)), cached,
+                         private)
     times = f"{wanted / max(union, 1):.2f}x"
+    own = ""
+    if private:
+        kinds = sorted({caches[r].get("fs") or "?" for r in readers if nodes[r] in private})
+        own = (f"{'every' if len(private) == len(set(nodes)) else len(private)} node(s) with a copy on a disk of "
+               f"its own ({', '.join(kinds)}) read it there")
     if not plan.moves and len(readers) == len(ranges):  # (blind ranks keep the plan: the readers verify for them)
         if wanted > 1.05 * union:
-            reason += (f"; the ranks want {times} the bytes there are, on one node whose page cache holds them: "
-                       "each rank reads its own, the storage serves them once")
+            where = (f"{own}, each node's storage once; ranks of a node through its page cache" if own else
+                     "on one node whose page cache holds them: each rank reads its own, the storage serves them once")
+            reason += f"; the ranks want {times} the bytes there are, {where}"
         return strategy, reason, None
-    share = ("; ranks of a node read through its page cache" if cached else "") + (
+    share = (f"; {own}" if own else "") + ("; ranks of a node read through its page cache" if cached else "") + (
         f" ({'; '.join(notes)}: exchanged there)" if notes else "")
     if strategy != "parallel" and asked == "auto":
         return "parallel", (f"the ranks want {times} the bytes there are (the same bytes on several ranks): each "
                             f"node reads its share once, split by bytes, and sends it on{share}"), plan
     if strategy != "parallel":
         reason += f"; bytes wanted by several ranks are read once per node and sent on{share}"
-    elif cached:
+    elif cached or own:
         reason += share
     return strategy, reason, plan
 

@@ -438,6 +438,24 @@ class _ReadAhead:
         return got
 
 
+    def take_prefix(self, url: str, offset: int, view: memoryview) -> int:
+        """Copy into ``view`` what a kept window already holds from ``offset`` on (a large
+        read that follows a run of small ones: the run's last window reached into it), and
+        return how many bytes; the caller fetches only the rest."""
+        with self._lock:
+            if not any(k[0] == url for k in self._windows):
+                return 0
+        st = _stat_url(url)  # (cached: the read that kept the window asked it)
+        with self._lock:
+            win = self._windows.get((url, st.size, st.version))
+            if win is None or not win[0] <= offset < win[0] + len(win[1]):
+                return 0
+            start, data = win
+            got = min(len(view), start + len(data) - offset)
+            view[:got] = data[offset - start: offset - start + got]
+            return got
+
+
 _READ_AHEAD = _ReadAhead()
 
 
@@ -450,6 +468,9 @@ def read_into(url: str, offset: int, view: memoryview) -> int:
     n = len(view)
     if 0 < n <= _ReadAhead.SMALL:
         return _READ_AHEAD.read(url, offset, view)
+    pre = _READ_AHEAD.take_prefix(url, offset, view) if n else 0
+    if pre:
+        return pre + (read_into(url, offset + pre, view[pre:]) if pre < n else 0)
     parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
 
     def one(a: int, b: int) -> int:

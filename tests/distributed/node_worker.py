@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import urllib.request
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,13 @@ def main() -> None:
     node = int(os.environ["GROUP_RANK"])
     rank = dist.get_rank()
     rows = []
-    # (scenario, folder this node sees, checkpoint file in it, flat, strategy). ``auto``: the
-    # ranks of a node read through its page cache, the nodes exchange; ``parallel``: every
-    # byte read once in all, shared inside a node too.
-    scenarios = [
+    # (scenario, folder this node sees, checkpoint file in it, flat, strategy). ``auto``: a
+    # node with its own copy on its own disk reads it there, through its page cache; nodes on
+    # one shared storage (the object store) read each byte once between them and exchange;
+    # ``parallel``: every byte read once in all, shared inside a node and across copies too.
+    s3 = os.environ.get("ONELOAD_TEST_S3", "")
+    scenarios = [("one object store", s3, "big/synth.pt", False, "auto")] if s3 else []
+    scenarios += [
         ("own copies", f"node{node}", "big/synth.pt", False, "auto"),
         ("own copies, strict", f"node{node}", "big/synth.pt", False, "parallel"),
         ("own copies, strict, no shared memory", f"node{node}", "big/synth.pt", False, "parallel"),
@@ -55,19 +59,27 @@ def main() -> None:
          "auto"),
     ]
     for name, folder, rel, flat, strategy in scenarios:
-        path = os.path.join(root, folder, rel)
+        path = f"{folder}/{rel}" if folder.startswith("s3://") else os.path.join(root, folder, rel)
         md = target_metadata(1) if flat and "singleton" in rel else None
         # Ranks of a node share through /dev/shm; without it, through the process group.
         os.environ["METASEQ_ONELOAD_SHM"] = "0" if "no shared memory" in name else "1"
         dist.barrier()
+        if folder.startswith("s3://") and rank == 0:  # the proxy counts what the store serves
+            urllib.request.urlopen(f"{os.environ['ONELOAD_TEST_S3_PROXY']}/__proxy__/reset", timeout=30).read()
+        dist.barrier()
         before = _rchar()
         lc = mo.load_checkpoint(path, flat=flat, shard_metadata=md, strategy=strategy, verify=False)
         read = _rchar() - before
+        served = -1
+        if folder.startswith("s3://"):
+            dist.barrier()
+            with urllib.request.urlopen(f"{os.environ['ONELOAD_TEST_S3_PROXY']}/__proxy__/counters", timeout=30) as f:
+                served = json.loads(f.read())["body_bytes"]
         torch.save(dict(lc.model), os.path.join(out_dir, f"{name.replace(' ', '_').replace(',', '')}-r{rank}.pt"))
         r = lc.report
         rows.append({"scenario": name, "strategy": r.strategy, "reason": r.reason, "bytes_read": r.bytes_read,
                      "rchar": read, "bytes_out": r.bytes_out, "received": r.bytes_received,
-                     "from_other_nodes": r.bytes_from_other_nodes, "sent": r.bytes_sent})
+                     "from_other_nodes": r.bytes_from_other_nodes, "sent": r.bytes_sent, "served": served})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "node": node, "local_rank": int(os.environ["LOCAL_RANK"]), "rows": rows}, f)
     dist.destroy_process_group()

@@ -18,8 +18,9 @@ MP2 = [e.id for e in ALL if e.family == "metaseq" or e.mp > 1]
 FLAT = {e.id for e in ALL if e.family == "metaseq"}
 
 
-# Worlds of 3 and 4 ranks play one node per rank (ranks that want the same bytes read each
-# once between them and exchange); worlds of 2 one node (its ranks read through its page cache).
+# Worlds of 3 and 4 ranks play one node per rank and ask for ``parallel`` (ranks that want the
+# same bytes read each once between them and exchange); worlds of 2 are one node (its ranks
+# read through its page cache).
 @pytest.mark.parametrize("world,mp_size", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)])
 def test_corpus_onto_any_world(tmp_path, world, mp_size):
     ids = [e.id for e in ALL] if mp_size == 1 else MP2

@@ -231,7 +231,9 @@ def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=(), node_per_
     equals Megatron's split of an independent reading of the set (tests/corpus.py), and,
     for ``flat_ids``, its FSDP flat shard equals fairscale's own sharding.
     ``node_per_rank``: each rank tells the engine it is a node of its own (a cluster of
-    one-GPU machines), so ranks that want the same bytes exchange them."""
+    one-GPU machines) and asks for ``parallel``, so ranks that want the same bytes read them
+    once between them and exchange (``auto`` would have each "node" read its own copy, the
+    files lying on a local disk)."""
     from tests.corpus import assert_same, by_id, canonical, full_weights, fused, split
 
     if node_per_rank:
@@ -246,7 +248,8 @@ def load_corpus(rank: int, world: int, mp_size: int, ids, flat_ids=(), node_per_
             what = f"{ident} flat={flat} (world {world}, mp {mp_size}, rank {rank})"
             md = None if (not flat or e.expect["flat"]) else target_metadata(mp_size)
             lc = mo.load_checkpoint(e.path, process_group=dp, model_parallel_group=mpg, flat=flat,
-                                    shard_metadata=md, verify=True)
+                                    shard_metadata=md, verify=True,
+                                    strategy="parallel" if node_per_rank and not flat else "auto")
             try:
                 if flat:
                     check_flat(lc.model, lc.shard_metadata, fused(want), dp, dp_rank, w)

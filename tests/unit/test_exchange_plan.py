@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from metaseq_oneload._exchange import cached_nodes, overlap, page_cache_view, plan_exchange
+from metaseq_oneload._exchange import cached_nodes, overlap, page_cache_view, plan_exchange, private_nodes
 
 
 def _ranges(per_rank):
@@ -185,8 +185,8 @@ def test_a_blind_rank_on_a_cached_node_still_receives():
     assert all(m.dst == 2 for rnd in plan.rounds for c in rnd for m in c.messages)
 
 
-def _view(shared=True, avail=1 << 40, why=""):
-    return {"shared": shared, "why": why, "avail": avail}
+def _view(shared=True, avail=1 << 40, why="", private=False, fs="nfs4"):
+    return {"shared": shared, "why": why, "avail": avail, "private": private, "fs": fs}
 
 
 def test_cached_nodes_needs_every_reader_cached_and_room_for_the_pages():
@@ -244,3 +244,84 @@ def test_an_unknown_memory_report_does_not_hide_a_known_shortfall():
     assert ok == frozenset() and notes
     ok, _ = cached_nodes([_view(avail=-1), _view(avail=-1)], ["n", "n"], [0, 1], ranges, SIZES)
     assert ok == {"n"}
+
+
+# ---------------------------------------------------------------- nodes with copies of their own
+
+
+def test_nodes_with_their_own_copies_read_there_and_nothing_crosses():
+    ranges = _everything(4)
+    nodes = ["a", "a", "b", "b"]
+    total = sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, [0, 1, 2, 3], nodes, 1000, frozenset({"a", "b"}),
+                         frozenset({"a", "b"}))
+    assert not plan.moves and plan.remote_bytes == (0, 0)
+    assert plan.storage_bytes == (total, total)  # each node's own storage, once
+    holds, _ = _simulate(plan, ranges, 4)
+    assert all(holds[r][n] == set(range(NUMEL[n])) for r in range(4) for n in NUMEL)
+    # without a page cache (O_DIRECT) a node's ranks share through messages inside the node only
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, [0, 1, 2, 3], nodes, 1000, frozenset(), frozenset({"a", "b"}))
+    assert plan.remote_bytes == (0, 0) and plan.storage_bytes == (total, total)
+    assert all(nodes[m.src] == nodes[m.dst] for rnd in plan.rounds for c in rnd for m in c.messages)
+    _simulate(plan, ranges, 4)
+    for nd in ("a", "b"):  # every element read once per node
+        mine = [r for r in range(4) if nodes[r] == nd]
+        sub = plan_exchange(list(NUMEL), SIZES, [ranges[r] for r in mine], [0, 1], ["x", "x"], 1000)
+        assert sum(plan.read_bytes[r] for r in mine) == sum(sub.read_bytes) == total
+
+
+def test_a_private_node_serves_a_blind_node_and_a_shared_node_reads_apart():
+    ranges = _everything(4)
+    total = sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    # node b sees nothing: node a (its own copy) reads once and node b receives once
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, [0, 1], ["a", "a", "b", "b"], 1000, frozenset({"a"}),
+                         frozenset({"a"}))
+    _check(plan, ranges, 4)
+    assert plan.storage_bytes == (total, 0) and plan.remote_bytes == (0, total)
+    # nodes a and b on shared storage, node c with its own copy: a and b split one read of
+    # the shared storage, c reads its copy, nothing crosses into c
+    ranges = _everything(6)
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    plan = plan_exchange(list(NUMEL), SIZES, ranges, list(range(6)), nodes, 1000, frozenset(), frozenset({"c"}))
+    holds, _ = _simulate(plan, ranges, 6)
+    assert all(holds[r][n] == set(range(NUMEL[n])) for r in range(6) for n in NUMEL)
+    assert plan.storage_bytes[2] == total and plan.storage_bytes[0] + plan.storage_bytes[1] == total
+    assert plan.remote_bytes[2] == 0 and plan.remote_bytes[0] + plan.remote_bytes[1] == total
+    assert max(plan.storage_bytes[:2]) <= 0.6 * total
+
+
+def test_private_nodes_and_what_auto_says():
+    from metaseq_oneload._loading import _exchange_choice
+
+    nodes = ["a", "a", "b", "b"]
+    local = _view(private=True, fs="ext4")
+    assert private_nodes([local] * 4, nodes, [0, 1, 2, 3]) == {"a", "b"}
+    assert private_nodes([local] * 4, ["a"] * 4, [0, 1, 2, 3]) == frozenset()  # one node: nothing to choose
+    assert private_nodes([local, _view(), local, local], nodes, [0, 1, 2, 3]) == {"b"}
+    assert private_nodes([local] * 4, nodes, [0, 1]) == {"a"}  # b sees nothing
+    ranges = _everything(4)
+    # own copies on local disks: each node reads its own, nothing travels, the strategy stays
+    strategy, reason, plan = _exchange_choice("own_shard", "auto", "r", ranges, SIZES, list(NUMEL), [0, 1, 2, 3],
+                                              nodes, [local] * 4, 1 << 20)
+    assert (strategy, plan) == ("own_shard", None)
+    assert "every node(s) with a copy on a disk of its own (ext4) read it there" in reason, reason
+    # shared storage (nfs4): read once for the cluster, exchanged
+    strategy, reason, plan = _exchange_choice("own_shard", "auto", "r", ranges, SIZES, list(NUMEL), [0, 1, 2, 3],
+                                              nodes, [_view()] * 4, 1 << 20)
+    assert strategy == "parallel" and plan.moves and sum(plan.storage_bytes) == sum(NUMEL[n] * SIZES[n] for n in NUMEL)
+    # asked for by name, parallel reads once in all across own copies too
+    strategy, reason, plan = _exchange_choice("parallel", "parallel", "r", ranges, SIZES, list(NUMEL), [0, 1, 2, 3],
+                                              nodes, [local] * 4, 1 << 20)
+    assert strategy == "parallel" and plan.remote_bytes[0] > 0 and plan.remote_bytes[1] > 0
+
+
+def test_page_cache_view_says_whose_storage_it_is(tmp_path):
+    if os.path.isdir("/dev/shm"):
+        with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="oneload-test-") as f:
+            view = page_cache_view([f.name])
+            assert view["private"] is True and view["fs"] == "tmpfs", view
+            # O_DIRECT changes the page cache, not whose disk it is
+            assert page_cache_view([f.name], direct=True)["private"] is True
+    remote = page_cache_view(["s3://bucket/x.pt"])
+    assert remote["private"] is False and remote["fs"] == "object storage"
+    assert page_cache_view(["/proc/self/status"])["private"] is False
