@@ -273,6 +273,7 @@ class ExchangePlan:
     node_of: tuple  # per local rank: the index of its node
     itemsizes: Mapping  # target name -> bytes per element
     storage_bytes: tuple = ()  # per node index: what the node pulls from storage
+    private: tuple = ()  # node indices that read their own copy (``plan_exchange``'s ``private``)
 
     @property
     def moves(self) -> bool:
@@ -341,6 +342,7 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
     # there are none, from a private node that reads the piece anyway.
     domain_readers: dict = {d: [r for r in readers if node_of[r] == d] for d in private_ids}
     domain_readers[None] = [r for r in readers if node_of[r] not in private_ids]
+    served = dict.fromkeys(private_ids, 0)  # bytes a private node has read for others
     todo = []  # (name, itemsize, lo, hi, [(domain, {rank: its span}), ...]) in the order every rank walks
     for name in order:
         items = wanted.get(name)
@@ -367,8 +369,10 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
                 if rest:
                     if domain_readers[None] or not subs:
                         subs.append((None, rest))
-                    else:
-                        subs[0] = (subs[0][0], {**subs[0][1], **rest})
+                    else:  # the private node that has served them least so far
+                        k = min(range(len(subs)), key=lambda i: (served[subs[i][0]], i))
+                        served[subs[k][0]] += (hi - lo) * size * len(rest)
+                        subs[k] = (subs[k][0], {**subs[k][1], **rest})
                 todo.append((name, size, lo, hi, subs))
     # Readers take contiguous runs, in node order: the k-th of n readers the k-th n-th of the
     # bytes (of what their domain reads). Interleaved chunks would each be fetched with their
@@ -441,7 +445,8 @@ def plan_exchange(order: Sequence[str], itemsizes: Mapping[str, int], ranges: Se
         batches[r] = out
     longest = max((len(v) for v in batches.values()), default=0)
     rounds = tuple(tuple(c for r in readers if j < len(batches[r]) for c in batches[r][j]) for j in range(longest))
-    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote), tuple(node_of), dict(itemsizes), tuple(storage))
+    return ExchangePlan(rounds, tuple(read_bytes), tuple(remote), tuple(node_of), dict(itemsizes), tuple(storage),
+                        tuple(sorted(private_ids)))
 
 
 def _in_place(wants: Sequence, lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -508,19 +513,21 @@ class _Segments:
                     os.close(fd)
         except OSError as e:
             error = e
-        ok = not dp.all_max(0 if error is None else 1)
-        try:
-            if ok:
-                for r, n in enumerate(slot):
-                    if n and node_of[r] == node_of[me]:
-                        self.maps[r] = torch.from_file(os.path.join(base, f"oneload-{token}-{r}"), shared=True,
-                                                       size=2 * n, dtype=torch.uint8)
-        except Exception as e:  # noqa: BLE001  (a node whose /dev/shm is not shared: fall back)
-            error = error or e
-        self.ok = not dp.all_max(0 if (error is None and ok) else 1)
-        if slot[me]:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        try:  # a lost rank raises in a collective here: the file goes all the same
+            ok = not dp.all_max(0 if error is None else 1)
+            try:
+                if ok:
+                    for r, n in enumerate(slot):
+                        if n and node_of[r] == node_of[me]:
+                            self.maps[r] = torch.from_file(os.path.join(base, f"oneload-{token}-{r}"),
+                                                           shared=True, size=2 * n, dtype=torch.uint8)
+            except Exception as e:  # noqa: BLE001  (a node whose /dev/shm is not shared: fall back)
+                error = error or e
+            self.ok = not dp.all_max(0 if (error is None and ok) else 1)
+        finally:
+            if slot[me]:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         if not self.ok:
             self.maps.clear()
             logger.debug("oneload: no shared memory between the ranks of a node (%s); sending through the "
@@ -586,8 +593,9 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
         if not shared.ok:
             shared = None
 
-    if reader is not None and sum(1 for b in plan.storage_bytes if b) > 1:
-        reader.set_readahead(False)  # the nodes read disjoint runs of the files
+    if (reader is not None and node_of[me] not in plan.private
+            and sum(1 for i, b in enumerate(plan.storage_bytes) if b and i not in plan.private) > 1):
+        reader.set_readahead(False)  # the nodes read disjoint runs of one storage's files
 
     def read_round(j: int) -> tuple:
         """This rank's reads of round ``j`` into where its span of each chunk lives:

@@ -470,7 +470,10 @@ def read_into(url: str, offset: int, view: memoryview) -> int:
         return _READ_AHEAD.read(url, offset, view)
     pre = _READ_AHEAD.take_prefix(url, offset, view) if n else 0
     if pre:
-        return pre + (read_into(url, offset + pre, view[pre:]) if pre < n else 0)
+        # (a window ends where the object does: past it there is nothing to ask for, and a
+        # range starting at the end is an error to the store, not a short read)
+        rest = min(n, max(pre, _stat_url(url).size - offset))
+        return pre + (read_into(url, offset + pre, view[pre:rest]) if pre < rest else 0)
     parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
 
     def one(a: int, b: int) -> int:
