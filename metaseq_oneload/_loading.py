@@ -960,8 +960,10 @@ def _exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Ma
     own = ""
     if private:
         kinds = sorted({caches[r].get("fs") or "?" for r in readers if nodes[r] in private})
-        own = (f"{'every' if len(private) == len(set(nodes)) else len(private)} node(s) with a copy on a disk of "
-               f"its own ({', '.join(kinds)}) read it there")
+        n = len(set(nodes))
+        own = (f"every node has a copy on a disk of its own ({', '.join(kinds)}) and reads it there"
+               if len(private) == n else
+               f"{len(private)} of {n} nodes have a copy on a disk of their own ({', '.join(kinds)}) and read it there")
     if not plan.moves and len(readers) == len(ranges):  # (blind ranks keep the plan: the readers verify for them)
         if wanted > 1.05 * union:
             where = (f"{own}, each node's storage once; ranks of a node through its page cache" if own else

@@ -304,7 +304,7 @@ def test_private_nodes_and_what_auto_says():
     strategy, reason, plan = _exchange_choice("own_shard", "auto", "r", ranges, SIZES, list(NUMEL), [0, 1, 2, 3],
                                               nodes, [local] * 4, 1 << 20)
     assert (strategy, plan) == ("own_shard", None)
-    assert "every node(s) with a copy on a disk of its own (ext4) read it there" in reason, reason
+    assert "every node has a copy on a disk of its own (ext4) and reads it there" in reason, reason
     # shared storage (nfs4): read once for the cluster, exchanged
     strategy, reason, plan = _exchange_choice("own_shard", "auto", "r", ranges, SIZES, list(NUMEL), [0, 1, 2, 3],
                                               nodes, [_view()] * 4, 1 << 20)
