@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import Group
+from ._errors import cap_list
 from ._reading import direct_by_default
 from ._storage import is_url
 
@@ -174,6 +175,7 @@ def page_cache_view(paths: Sequence[str], direct: Optional[bool] = None) -> dict
             kinds[d] = _fs_type(d)
     names = sorted({str(k) for k in kinds.values()})
     view["fs"] = ", ".join(names)
+    view["files"] = _identity(paths)
     view["private"] = bool(kinds) and all(k in _PRIVATE_FS for k in kinds.values())
     if direct:
         view["why"] = "reads bypass the page cache (O_DIRECT)"
@@ -184,6 +186,21 @@ def page_cache_view(paths: Sequence[str], direct: Optional[bool] = None) -> dict
         return view
     view["shared"] = True
     return view
+
+
+def _identity(paths: Sequence[str]) -> str:
+    """Which files these are, as the kernel knows them (device and inode, size and time):
+    ranks of a node that read different copies of a checkpoint share no cached pages."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for p in sorted(paths):
+        try:
+            st = os.stat(p)
+            h.update(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns};".encode())
+        except OSError:
+            h.update(f"?{p};".encode())
+    return h.hexdigest()[:16]
 
 
 def private_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequence[int]) -> frozenset:
@@ -205,9 +222,10 @@ def private_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Seque
 def cached_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequence[int],
                  ranges: Sequence[Mapping], itemsizes: Mapping[str, int]) -> tuple:
     """(local, the same on every rank) (node keys whose ranks may each read their own wants,
-    why the others may not). A node qualifies when every reader of it reads through the
-    page cache and the least memory one of them reports holds the node's outputs plus one
-    copy of what they want (so the cached pages survive until the last rank has read them)."""
+    why the others may not). A node qualifies when every reader of it reads the same files
+    (the same inodes) through the page cache and the least memory one of them reports holds
+    the node's outputs plus one copy of what they want (so the cached pages survive until
+    the last rank has read them)."""
     readers = set(readers)
     out, notes = set(), []
     for key in dict.fromkeys(nodes):
@@ -218,6 +236,10 @@ def cached_nodes(views: Sequence[Mapping], nodes: Sequence[str], readers: Sequen
         odd = [r for r in mine if not views[r].get("shared")]
         if odd:
             notes.append(f"node {key}: {views[odd[0]].get('why') or 'no page cache'}")
+            continue
+        if len({views[r].get("files", "") for r in mine}) > 1:
+            notes.append(f"node {key}: its ranks read different copies of the files (ranks {cap_list(mine)}), "
+                         "whose pages they do not share")
             continue
         wanted, union = overlap([ranges[r] for r in members], itemsizes)
         known = [int(views[r].get("avail", -1)) for r in mine if int(views[r].get("avail", -1)) >= 0]

@@ -325,3 +325,20 @@ def test_page_cache_view_says_whose_storage_it_is(tmp_path):
     remote = page_cache_view(["s3://bucket/x.pt"])
     assert remote["private"] is False and remote["fs"] == "object storage"
     assert page_cache_view(["/proc/self/status"])["private"] is False
+
+
+def test_ranks_of_a_node_reading_different_copies_share_no_cache(tmp_path):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    a.write_bytes(b"x" * 100)
+    b.write_bytes(b"x" * 100)
+    (tmp_path / "link.pt").symlink_to(a)
+    va = page_cache_view([str(a)])
+    assert va["files"] == page_cache_view([str(tmp_path / "link.pt")])["files"]  # the same inode
+    vb = page_cache_view([str(b)])
+    assert va["files"] != vb["files"]
+    ranges = _everything(2)
+    ok, notes = cached_nodes([dict(_view(), files=va["files"]), dict(_view(), files=vb["files"])], ["n", "n"],
+                             [0, 1], ranges, SIZES)
+    assert ok == frozenset() and "read different copies of the files (ranks 0, 1)" in notes[0], notes
+    ok, _ = cached_nodes([dict(_view(), files=va["files"])] * 2, ["n", "n"], [0, 1], ranges, SIZES)
+    assert ok == {"n"}
