@@ -26,6 +26,7 @@ that do not).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -42,8 +43,8 @@ from ._storage import is_url
 
 logger = logging.getLogger("metaseq_oneload")
 
-__all__ = ["node_key", "page_cache_view", "cached_nodes", "private_nodes", "ExchangePlan", "plan_exchange", "exchange_loop",
-           "overlap", "chunk_bytes_for"]
+__all__ = ["node_key", "page_cache_view", "cached_nodes", "private_nodes", "ExchangePlan", "plan_exchange",
+           "exchange_loop", "overlap", "chunk_bytes_for"]
 
 
 def node_key() -> str:
@@ -191,8 +192,6 @@ def page_cache_view(paths: Sequence[str], direct: Optional[bool] = None) -> dict
 def _identity(paths: Sequence[str]) -> str:
     """Which files these are, as the kernel knows them (device and inode, size and time):
     ranks of a node that read different copies of a checkpoint share no cached pages."""
-    import hashlib
-
     h = hashlib.sha1()
     for p in sorted(paths):
         try:
