@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,8 +62,10 @@ def worker(out: str, root: str, scenario: str, mode: str) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     rank = dist.get_rank()
+    if proxy:
+        from tests.s3_server import proxy_control
     if proxy and rank == 0:
-        urllib.request.urlopen(f"{proxy}/__proxy__/reset", timeout=30).read()
+        proxy_control(proxy, "reset")
     dist.barrier()
     base, rchar, t0 = proc_status("VmRSS"), proc_io()["rchar"], time.perf_counter()
     disk = proc_io()["read_bytes"]
@@ -74,8 +75,7 @@ def worker(out: str, root: str, scenario: str, mode: str) -> None:
     dist.barrier()
     served = -1
     if proxy and scenario == "one object store":
-        with urllib.request.urlopen(f"{proxy}/__proxy__/counters", timeout=30) as f:
-            served = json.loads(f.read())["body_bytes"]
+        served = proxy_control(proxy, "counters")["body_bytes"]
     peak = proc_status("VmHWM") - base
     r = lc.report
     row = {"rank": rank, "node": node, "seconds": seconds, "rchar": read_sys, "peak": peak, "read": r.bytes_read,

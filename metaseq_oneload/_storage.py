@@ -437,23 +437,22 @@ class _ReadAhead:
                 self._runs.popitem(last=False)
         return got
 
-
-    def take_prefix(self, url: str, offset: int, view: memoryview) -> int:
+    def take_prefix(self, url: str, offset: int, view: memoryview) -> tuple:
         """Copy into ``view`` what a kept window already holds from ``offset`` on (a large
-        read that follows a run of small ones: the run's last window reached into it), and
-        return how many bytes; the caller fetches only the rest."""
+        read that follows a run of small ones: the run's last window reached into it).
+        Returns (bytes copied, the object's size); the caller fetches only the rest."""
         with self._lock:
             if not any(k[0] == url for k in self._windows):
-                return 0
+                return 0, -1
         st = _stat_url(url)  # (cached: the read that kept the window asked it)
         with self._lock:
             win = self._windows.get((url, st.size, st.version))
             if win is None or not win[0] <= offset < win[0] + len(win[1]):
-                return 0
+                return 0, st.size
             start, data = win
             got = min(len(view), start + len(data) - offset)
             view[:got] = data[offset - start: offset - start + got]
-            return got
+            return got, st.size
 
 
 _READ_AHEAD = _ReadAhead()
@@ -468,11 +467,11 @@ def read_into(url: str, offset: int, view: memoryview) -> int:
     n = len(view)
     if 0 < n <= _ReadAhead.SMALL:
         return _READ_AHEAD.read(url, offset, view)
-    pre = _READ_AHEAD.take_prefix(url, offset, view) if n else 0
+    pre, size = _READ_AHEAD.take_prefix(url, offset, view) if n else (0, -1)
     if pre:
         # (a window ends where the object does: past it there is nothing to ask for, and a
         # range starting at the end is an error to the store, not a short read)
-        rest = min(n, max(pre, _stat_url(url).size - offset))
+        rest = min(n, max(pre, size - offset))
         return pre + (read_into(url, offset + pre, view[pre:rest]) if pre < rest else 0)
     parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
 

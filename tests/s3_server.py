@@ -150,6 +150,12 @@ class Counters:
         self.__dict__.update(d)
 
 
+def proxy_control(url: str, what: str) -> dict:
+    """Ask the proxy at ``url`` (any process may): ``counters``, ``reset``, ``fail?n=K``."""
+    with urllib.request.urlopen(f"{url}/__proxy__/{what}", timeout=30) as r:
+        return json.loads(r.read())
+
+
 class S3Endpoint:
     """moto on 127.0.0.1 plus the counting, failing proxy in front of it, in a process of
     their own (so that what the test process allocates and fetches is the package's alone)."""
@@ -169,8 +175,7 @@ class S3Endpoint:
         self.url = f"http://127.0.0.1:{ports['proxy']}"
 
     def _ctl(self, what: str) -> dict:
-        with urllib.request.urlopen(f"{self.url}/__proxy__/{what}", timeout=30) as r:
-            return json.loads(r.read())
+        return proxy_control(self.url, what)
 
     @property
     def counters(self) -> Counters:

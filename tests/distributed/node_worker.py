@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import sys
-import urllib.request
 
 import torch
 import torch.distributed as dist
@@ -63,18 +62,20 @@ def main() -> None:
         md = target_metadata(1) if flat and "singleton" in rel else None
         # Ranks of a node share through /dev/shm; without it, through the process group.
         os.environ["METASEQ_ONELOAD_SHM"] = "0" if "no shared memory" in name else "1"
+        remote = folder.startswith("s3://")
+        if remote:
+            from tests.s3_server import proxy_control
         dist.barrier()
-        if folder.startswith("s3://") and rank == 0:  # the proxy counts what the store serves
-            urllib.request.urlopen(f"{os.environ['ONELOAD_TEST_S3_PROXY']}/__proxy__/reset", timeout=30).read()
+        if remote and rank == 0:  # the proxy counts what the store serves
+            proxy_control(os.environ["ONELOAD_TEST_S3_PROXY"], "reset")
         dist.barrier()
         before = _rchar()
         lc = mo.load_checkpoint(path, flat=flat, shard_metadata=md, strategy=strategy, verify=False)
         read = _rchar() - before
         served = -1
-        if folder.startswith("s3://"):
+        if remote:
             dist.barrier()
-            with urllib.request.urlopen(f"{os.environ['ONELOAD_TEST_S3_PROXY']}/__proxy__/counters", timeout=30) as f:
-                served = json.loads(f.read())["body_bytes"]
+            served = proxy_control(os.environ["ONELOAD_TEST_S3_PROXY"], "counters")["body_bytes"]
         torch.save(dict(lc.model), os.path.join(out_dir, f"{name.replace(' ', '_').replace(',', '')}-r{rank}.pt"))
         r = lc.report
         rows.append({"scenario": name, "strategy": r.strategy, "reason": r.reason, "bytes_read": r.bytes_read,

@@ -44,14 +44,15 @@ def _remote_loads(rank, world, urls, proxy):
         out["missing"] = str(e)
     # the store stops answering (503 to every ranged read): retries run out, every rank stops
     import os
-    import urllib.request
 
     import torch.distributed as dist
+
+    from tests.s3_server import proxy_control
 
     os.environ["METASEQ_ONELOAD_REMOTE_RETRIES"] = "1"
     dist.barrier()
     if rank == 0:
-        urllib.request.urlopen(f"{proxy}/__proxy__/fail?n=1000000", timeout=30).read()
+        proxy_control(proxy, "fail?n=1000000")
     dist.barrier()
     try:
         mo.load_state_dict(urls["mp2_ddp"])
@@ -60,7 +61,7 @@ def _remote_loads(rank, world, urls, proxy):
         out["down"] = str(e)
     dist.barrier()
     if rank == 0:
-        urllib.request.urlopen(f"{proxy}/__proxy__/reset", timeout=30).read()
+        proxy_control(proxy, "reset")
     return out
 
 
