@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ._errors import OneloadError, StateDictMismatchError
-from ._layout import CheckpointLayout, FileName
+from ._layout import CheckpointLayout, FileName, is_interpolation, raw_get, raw_keys
 from .formats import discover
 from ._loading import _fill
 from ._optim import (OptimizerPlan, carry_extra_state, flat_pieces, plan_optimizer, rank_state, rest_source,
@@ -236,7 +236,7 @@ def _put(container: Any, key: str, value: Any, *, add: bool) -> None:
         from omegaconf import DictConfig, open_dict
 
         if isinstance(container, DictConfig):
-            if add or key in container:
+            if add or key in raw_keys(container):  # (``in`` on a DictConfig resolves the value)
                 with open_dict(container):
                     container[key] = value
             return
@@ -247,12 +247,9 @@ def _put(container: Any, key: str, value: Any, *, add: bool) -> None:
 
 
 def _section(cfg: Any, name: str) -> Any:
-    if isinstance(cfg, argparse.Namespace):
-        return getattr(cfg, name, None)
-    try:
-        return cfg.get(name) if cfg is not None else None
-    except Exception:
-        return None
+    """A cfg section as stored, never resolved; None where it is an interpolation."""
+    section = raw_get(cfg, name)
+    return None if is_interpolation(section) else section
 
 
 def _truthful(obj: dict, *, model_parallel: int, shards: int, flat: bool, part: int, shard: int) -> None:
@@ -282,34 +279,64 @@ def _truthful(obj: dict, *, model_parallel: int, shards: int, flat: bool, part: 
     _put(obj.get("args"), "distributed_world_size", world, add=False)
 
 
-def _jsonable(x: Any) -> Any:
-    """cfg, meters and metadata as plain JSON (Namespace and DictConfig become objects)."""
-    if x is None or isinstance(x, (bool, int, str)):
-        return x
-    if isinstance(x, float):
-        return x if math.isfinite(x) else str(x)
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+# What one cfg/meters value may expand to in the JSON we write: real meters and cfgs are a
+# few thousand values; a crafted one is bounded by this and by writing each shared
+# container once (a 60-level DAG of shared lists pickles in a few hundred bytes and has
+# 2**60 paths).
+_JSON_MAX_VALUES = 200_000
+_JSON_MAX_DEPTH = 64
 
-        if isinstance(x, (DictConfig, ListConfig)):
-            return _jsonable(OmegaConf.to_container(x, resolve=False))
+
+def _jsonable(x: Any, *, max_values: int = _JSON_MAX_VALUES, max_depth: int = _JSON_MAX_DEPTH) -> Any:
+    """cfg, meters and metadata as plain JSON (Namespace and DictConfig become objects), read
+    raw: an interpolation stays its ``${...}`` text, never resolved. A container met again
+    (shared, or a cycle) is written as a note naming where it was written first; past
+    ``max_values`` values, or deeper than ``max_depth``, a value is a note saying so."""
+    try:
+        from omegaconf import DictConfig, ListConfig
     except ImportError:
-        pass
-    if isinstance(x, argparse.Namespace):
-        return _jsonable(vars(x))
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in x]
-    if torch.is_tensor(x):
-        return _jsonable(x.tolist()) if x.numel() <= 4096 else {"tensor": list(x.shape), "dtype": str(x.dtype)}
-    if isinstance(x, torch.dtype):
-        return str(x)
-    if hasattr(x, "tolist"):  # numpy scalars and arrays
-        return _jsonable(x.tolist())
-    if hasattr(x, "value") and hasattr(x, "name"):  # enums
-        return _jsonable(x.value)
-    return repr(x)
+        DictConfig = ListConfig = ()  # type: ignore[assignment,misc]
+    budget = [max_values]
+    # id -> (the container, kept alive so that its id is not reused, where it was written)
+    seen: dict = {}
+
+    def walk(x: Any, depth: int, path: tuple) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return f"<left out: more than {max_values} values>"
+        if depth > max_depth:
+            return f"<left out: nested more than {max_depth} deep>"
+        if x is None or isinstance(x, (bool, int, str)):
+            return x
+        if isinstance(x, float):
+            return x if math.isfinite(x) else str(x)
+        if isinstance(x, (DictConfig, ListConfig)) and x._is_interpolation():
+            return x._value()
+        if isinstance(x, (ListConfig, DictConfig, argparse.Namespace, Mapping, list, tuple, set, frozenset)):
+            if id(x) in seen:
+                where = ".".join(map(str, seen[id(x)][1]))[:200]
+                return f"<the same object as {where or 'the top'}>"
+            seen[id(x)] = (x, path)
+            if isinstance(x, ListConfig):
+                return [walk(raw_get(x, i), depth + 1, path + (i,)) for i in range(len(x._content or ()))]
+            if isinstance(x, (DictConfig, argparse.Namespace, Mapping)):
+                return {str(k): walk(raw_get(x, k), depth + 1, path + (k,)) for k in raw_keys(x)}
+            return [walk(v, depth + 1, path + (i,)) for i, v in enumerate(x)]
+        if torch.is_tensor(x):
+            if x.numel() > 4096 or x.device.type == "meta":
+                return {"tensor": list(x.shape), "dtype": str(x.dtype)}
+            return walk(x.tolist(), depth + 1, path)
+        if isinstance(x, torch.dtype):
+            return str(x)
+        if hasattr(x, "tolist"):  # numpy scalars and arrays
+            if getattr(x, "size", 1) > 4096:
+                return {"array": list(getattr(x, "shape", ())), "dtype": str(getattr(x, "dtype", ""))}
+            return walk(x.tolist(), depth + 1, path)
+        if hasattr(x, "value") and hasattr(x, "name"):  # enums
+            return walk(x.value, depth + 1, path)
+        return repr(x)[:1000]
+
+    return walk(x, 0, ())
 
 
 # --------------------------------------------------------------------------- the conversion

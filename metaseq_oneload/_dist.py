@@ -16,7 +16,10 @@ Two failures no exchange can carry, because a rank is not there to take part:
 * a rank that never reaches the load (its caller caught an error and went on): every load
   starts with :func:`arrive`, a check-in through the group's store with its own timeout
   (``arrival_timeout``, default :data:`DEFAULT_ARRIVAL_TIMEOUT` seconds, not the process
-  group's 30 minutes), after which every rank that arrived raises, naming those that did not;
+  group's 30 minutes), after which every rank that arrived raises, naming those that did not.
+  A rank whose call to the load fails before it checks in (a bad argument, its own module)
+  is not left to that timeout: :func:`tell_failed` settles the check-in as failed at once,
+  with its reason, and every other rank raises it within a store round trip;
 * a rank that dies mid-load: the backend's own error (gloo's "Connection closed by peer")
   becomes a :class:`DistributedLoadError` that names the step and, where this host can
   tell, the rank whose process is gone (:meth:`Group.guard`).
@@ -43,15 +46,19 @@ import torch.distributed as dist
 
 from ._errors import DistributedLoadError, OneloadError, cap_list
 
-__all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "arrival_timeout", "clip",
+__all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "tell_failed", "tell_left", "arrival_timeout",
+           "clip",
            "ARRIVAL_TIMEOUT_ENV", "DEFAULT_ARRIVAL_TIMEOUT", "MESSAGE_CAP"]
 
 logger = logging.getLogger("metaseq_oneload")
 
 ARRIVAL_TIMEOUT_ENV = "METASEQ_ONELOAD_ARRIVAL_TIMEOUT"
-# Long enough for ranks that build their model at different speeds, short enough that a
-# rank which never comes does not hold the job for the process group's 30 minutes.
-DEFAULT_ARRIVAL_TIMEOUT = 300.0
+# Only a rank that never calls the load waits this out: one whose call fails before the
+# check-in tells the others at once (tell_failed). So it is sized for ranks that reach the
+# load at different times (building or wrapping the model, rank-0-only set-up: seconds to
+# a minute), with room to spare, yet short enough that the message is still on the screen
+# when someone looks (300 s was longer than people wait before killing the job).
+DEFAULT_ARRIVAL_TIMEOUT = 120.0
 # Characters of one rank's message that travel to the others (the local error keeps all of
 # it as the cause).
 MESSAGE_CAP = 2000
@@ -186,14 +193,27 @@ class Group:
             "process group cannot be used again once a rank is lost: restart the job (torchrun restarts every "
             f"rank). Backend error: {cause}", failures)
 
-    def _tell_lost(self, cause: str) -> None:
+    def _tell_lost(self, cause: str, raised: bool = False) -> None:
         """Leave word in the store that this rank stops: a peer waiting on a message from it
-        (it lives on, so its sockets stay open) learns it at once, not at the backend's timeout."""
+        (it lives on, so its sockets stay open) learns it at once, not at the backend's timeout.
+        ``raised``: it stops because it raised, not because it lost a peer. The first word
+        left stays (the first cause is the one to report)."""
         store = self._store()
         if store is None or self._arrival is None:
             return
+        word = json.dumps({"rank": self.global_rank, "cause": cause, "raised": raised})
         with contextlib.suppress(Exception):  # the store's host may be the lost one
-            store.set(f"{self._arrival}/lost", json.dumps({"rank": self.global_rank, "cause": cause}))
+            store.compare_set(f"{self._arrival}/lost", "", word)
+
+    def _left(self, info: dict) -> DistributedLoadError:
+        """The error for a peer that raised out of the load (and may live on) while this rank
+        waited for it in a collective."""
+        rank, cause = int(info["rank"]), clip(str(info["cause"]), 500)
+        return DistributedLoadError(
+            f"{self.step}: rank {rank} of the {self.role} group [{cap_list(self.members())}] left the load: {cause}. "
+            f"Rank {self.global_rank} stops here, as does every rank still running; the ranks may now be inside "
+            "different collectives, so the process group cannot be used for another load: restart the job "
+            "(torchrun restarts every rank).", {rank: cause})
 
     def wait_all(self, works: Sequence) -> None:
         """(local) Wait for this group's pending operations (``async_op`` collectives,
@@ -226,6 +246,8 @@ class Group:
             while not done.wait(_LOST_POLL):
                 if store.check([f"{self._arrival}/lost"]):
                     info = json.loads(store.get(f"{self._arrival}/lost"))
+                    if info.get("raised"):
+                        raise self._left(info)
                     e = RuntimeError(f"rank {info['rank']} of the group stopped: {info['cause']}")
                     raise self._lost(e) from e  # the waiting thread is left to the backend's timeout
             if failed:
@@ -293,14 +315,13 @@ class Group:
         """(collective) ``payload`` from local rank ``src`` to everyone."""
         if not self.active or self.size == 1:
             return payload or b""
+        # Each wait goes through wait_all: a peer that raised out of the load is noticed.
         n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64, device=self.device)
-        with self.guard():
-            dist.broadcast(n, src=self.global_of(src), group=self.group)
+        self.wait_all([dist.broadcast(n, src=self.global_of(src), group=self.group, async_op=True)])
         buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if self.rank == src
                else torch.empty(int(n.item()), dtype=torch.uint8, device=self.device))
         if int(n.item()):
-            with self.guard():
-                dist.broadcast(buf, src=self.global_of(src), group=self.group)
+            self.wait_all([dist.broadcast(buf, src=self.global_of(src), group=self.group, async_op=True)])
         return bytes(buf.cpu().numpy().tobytes()) if self.rank != src else payload
 
     def all_gather_bytes(self, payload: bytes) -> list:
@@ -309,15 +330,13 @@ class Group:
             return [payload]
         n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(n) for _ in range(self.size)]
-        with self.guard():
-            dist.all_gather(sizes, n, group=self.group)
+        self.wait_all([dist.all_gather(sizes, n, group=self.group, async_op=True)])
         longest = max(int(s.item()) for s in sizes)
         buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         if payload:
             buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         out = [torch.empty_like(buf) for _ in range(self.size)]
-        with self.guard():
-            dist.all_gather(out, buf, group=self.group)
+        self.wait_all([dist.all_gather(out, buf, group=self.group, async_op=True)])
         return [bytes(o[: int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
     def all_gather_json(self, obj) -> list:
@@ -340,14 +359,15 @@ class Group:
 
     def check_in(self, timeout: float, prior: Optional[dict]) -> Optional[dict]:
         """(all ranks of the group, collective through the store) Wait at most ``timeout``
-        seconds for every member to arrive. ``prior`` is this rank's failure from an earlier
-        group's check-in, passed on so that this group's members stop too. Returns the
-        failure this rank must raise ({"message", "failures"}), or None.
+        seconds for every member to arrive. ``prior`` is this rank's failure (its own, before
+        the load, or from an earlier group's check-in), passed on so that this group's
+        members stop too: a rank with one settles the check-in as failed at once and does
+        not wait. Returns the failure this rank must raise ({"message", "failures"}), or None.
 
         Check-ins are numbered by a counter in the store, bumped when one resolves (all
-        arrived, or one rank gave up waiting): a rank that skipped a load meets the others
-        at their next one, and one that comes after they gave up is told so, never left
-        waiting inside a collective.
+        arrived, one rank gave up waiting, or one failed): a rank that skipped a load meets
+        the others at their next one, and one that comes after they gave up is told so,
+        never left waiting inside a collective.
         """
         store = self._store() if self.size > 1 else None
         if store is None:
@@ -355,15 +375,19 @@ class Group:
         members = self.members()
         base = f"{_KEY}/{self.role}/{hashlib.sha1(repr(members).encode()).hexdigest()[:16]}"
         gen = store.add(f"{base}/gen", 0)
+        missed = self._missed(store, base, gen, timeout)
+        if missed is not None:
+            return prior or missed
         key = f"{base}/{gen}"
         self._arrival = key
         me = str(self.global_rank)
         store.set(f"{key}/r{me}", json.dumps(_whoami()))
-        if prior is not None:
-            store.compare_set(f"{key}/why", "", json.dumps(prior))
         arrived = store.add(f"{key}/n", 1)
         state = None
-        if arrived >= self.size:
+        if prior is not None:
+            # This rank will not take part: the others stop now, not after arrival_timeout.
+            state = self._resolve(store, base, gen, json.dumps({"failed": prior, "at": time.time()}))
+        elif arrived >= self.size:
             state = self._resolve(store, base, gen, "ok")
         else:
             try:
@@ -375,14 +399,16 @@ class Group:
         if state is None:
             state = store.get(f"{key}/state").decode()
         if state == "ok":
-            if prior is None and store.check([f"{key}/why"]):
-                return json.loads(store.get(f"{key}/why"))
             return prior
-        missing = json.loads(state)["missing"]
+        verdict = json.loads(state)
+        if "failed" in verdict:
+            return prior or verdict["failed"]
+        missing = verdict["missing"]
         where = f"of the {self.role} group [{cap_list(members)}]"
         if self.global_rank in missing:
             message = (f"rank {me} arrived after the other ranks {where} had stopped waiting for it "
-                       f"(arrival_timeout={timeout:g}s); every rank stopped this load.")
+                       f"(arrival_timeout={timeout:g}s); every rank stopped this load. If ranks legitimately reach "
+                       f"the load this far apart, raise arrival_timeout= (or {ARRIVAL_TIMEOUT_ENV}) on every rank.")
         else:
             previous = [r for r in self._previous_missing(store, base, gen) if r in missing]
             late = (f" Rank(s) {cap_list(previous)} also missed the previous load's check-in: are they one load "
@@ -417,12 +443,31 @@ class Group:
         except Exception:  # noqa: BLE001  (a store without delete: the keys stay, harmless)
             pass
 
+    def _missed(self, store, base: str, gen: int, timeout: float) -> Optional[dict]:
+        """The failure of the previous check-in if one rank settled it as failed (it failed
+        before the load) less than ``timeout`` seconds ago and this rank had not arrived
+        yet: this rank is late for that load, which the others left at once; it stops too
+        rather than wait for them at the next check-in. Told once: its next call is a new
+        load. One store look-up on the success path."""
+        if gen == 0:
+            return None
+        prev = f"{base}/{gen - 1}"
+        mine = f"{prev}/r{self.global_rank}"
+        if store.check([mine]) or not store.check([f"{prev}/state"]):
+            return None
+        state = store.get(f"{prev}/state").decode()
+        verdict = json.loads(state) if state.startswith("{") else {}
+        if "failed" not in verdict or time.time() - float(verdict.get("at", 0)) > timeout:
+            return None
+        store.set(mine, json.dumps(_whoami()))
+        return verdict["failed"]
+
     @staticmethod
     def _previous_missing(store, base: str, gen: int) -> list:
         if gen == 0 or not store.check([f"{base}/{gen - 1}/state"]):
             return []
         state = store.get(f"{base}/{gen - 1}/state").decode()
-        return [] if state == "ok" else json.loads(state)["missing"]
+        return [] if state == "ok" else json.loads(state).get("missing", [])
 
 
 def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
@@ -441,6 +486,41 @@ def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
     if failure is not None:
         raise DistributedLoadError(f"{what}: {failure['message']}",
                                    {int(r): m for r, m in failure["failures"].items()})
+
+
+def tell_failed(groups: Sequence[Group], error: BaseException) -> None:
+    """(this rank alone, through the stores) This rank's call to a load failed before its
+    check-in (a bad argument, a group it is not in, its module): settle the check-in of
+    each of its groups as failed, with ``error`` as the reason, so that every other rank
+    raises it at once instead of waiting ``arrival_timeout`` for a rank that is not
+    coming. Waits for no one; never raises (the caller raises ``error`` itself)."""
+    failure = None
+    for g in groups:
+        if not (g.active and g.size > 1):
+            continue
+        if failure is None:
+            me = g.global_rank
+            reason = clip(f"{type(error).__name__}: {error}")
+            failure = {"message": f"rank {me} failed before the load began ({reason}); every rank stops this load. "
+                                  f"Fix what rank {me} passed (or its code before the load), then load again on "
+                                  "every rank.",
+                       "failures": {str(me): reason}}
+        try:
+            g.check_in(DEFAULT_ARRIVAL_TIMEOUT, failure)
+        except Exception as e:  # noqa: BLE001  (the store is gone too: the others find out by their timeout)
+            logger.debug("oneload: could not tell the %s group that rank %s failed: %s", g.role, g.global_rank, e)
+
+
+def tell_left(groups: Sequence[Group], error: BaseException) -> None:
+    """(this rank alone, through the stores) This rank leaves a load it checked in to with
+    ``error``, outside the steps that settle failures together: tell every group, so that a
+    peer waiting for it in a collective raises at once, naming it and ``error``, instead of
+    waiting for the process group's timeout (this process may live on, its sockets open).
+    Never raises."""
+    cause = clip(f"{type(error).__name__}: {error}", 500)
+    for g in groups:
+        if g.active and g.size > 1:
+            g._tell_lost(cause, raised=True)
 
 
 class PeerFailure(Exception):

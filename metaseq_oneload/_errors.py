@@ -6,6 +6,14 @@ file(s) involved. Tests pin the wording with ``pytest.raises(..., match=...)``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import pickle
+import struct
+import zipfile
+from typing import Iterator
+
 
 class OneloadError(RuntimeError):
     """Base class of every error metaseq-oneload raises on purpose."""
@@ -14,6 +22,12 @@ class OneloadError(RuntimeError):
 class CheckpointLayoutError(OneloadError):
     """The files do not form one complete, consistent checkpoint (missing shard, mixed
     runs, truncated or non-checkpoint file, ambiguous folder, symlink loop...)."""
+
+
+class MalformedCheckpointError(CheckpointLayoutError):
+    """A file's contents made reading it fail in a way no specific check names (a header
+    field of the wrong type, a structure that does not hold together): the file is not
+    what a checkpoint of its kind holds. The reader's own error is the ``__cause__``."""
 
 
 class CheckpointNotFoundError(CheckpointLayoutError, FileNotFoundError):
@@ -56,6 +70,85 @@ class DistributedLoadError(OneloadError):
     def __init__(self, message: str, failures: dict[int, str] | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class RemoteStoreError(OneloadError):
+    """An object store (or a proxy, cache or CDN in front of it) answered a ranged read
+    with something else than the bytes asked for: the whole object, another range, a body
+    of the wrong length, a redirect. Nothing it sent was used."""
+
+
+class RemoteObjectChangedError(RemoteStoreError):
+    """An object was replaced in the store while it was being read: its ETag (or version)
+    is no longer the one its header was read from. Nothing of the new version was used."""
+
+
+def os_error_message(e: OSError, path: "str | os.PathLike | None" = None, doing: str = "read") -> str:
+    """What went wrong with a file, for a message: the file (the error's own, else
+    ``path``), what the system said, and what to do about it."""
+    where = e.filename if e.filename is not None else path
+    where = os.fsdecode(where) if where is not None else "a file"
+    done = {"read": "read", "write": "written", "access": "accessed"}.get(doing, doing)
+    code = e.errno
+    if code in (errno.EACCES, errno.EPERM):
+        who = ""
+        with contextlib.suppress(Exception):
+            import getpass
+
+            who = f" ({getpass.getuser()})"
+        return (f"{where}: permission denied: this user{who} cannot {doing} it. Check its permissions and those "
+                f"of the folders above it (ls -l on the file, ls -ld on each folder), or run as a user who can.")
+    if code == errno.EISDIR:
+        return f"{where}: is a folder where a file was expected; pass a file, or the folder itself as the checkpoint."
+    if code == errno.ENOTDIR:
+        return f"{where}: a part of this path is a file, not a folder; check the path."
+    if code == errno.ENOENT:
+        return f"{where}: no such file (removed or renamed while it was being {done}?); check the path."
+    if code == errno.EIO:
+        return (f"{where}: input/output error while trying to {doing} it: the disk or network file system failed. "
+                "Check the storage (dmesg, the mount) and try again.")
+    reason = e.strerror or str(e) or type(e).__name__
+    return f"{where}: cannot {doing} the file ({reason}). Check that it can be {done} (ls -l, cat) and try again."
+
+
+def unreadable(path: "str | os.PathLike", e: OSError) -> CheckpointLayoutError:
+    """The error for a checkpoint file the system would not let us read (raise it ``from e``).
+    A missing file stays a not-found error: a rank that cannot see the files is told apart
+    by it (and callers catching FileNotFoundError keep working)."""
+    if isinstance(e, FileNotFoundError):
+        return CheckpointNotFoundError(os_error_message(e, path))
+    return CheckpointLayoutError(os_error_message(e, path))
+
+
+# What a reader raises when the bytes or the objects it reads are not what it expects:
+# errors of the data, not of the caller. (torch raises RuntimeError for what it cannot
+# read; a OneloadError is a RuntimeError too and passes through untouched.)
+_MALFORMED = (ValueError, TypeError, AttributeError, LookupError, RecursionError, EOFError, ArithmeticError,
+              MemoryError, RuntimeError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError)
+
+
+@contextlib.contextmanager
+def reading(path: "str | os.PathLike") -> Iterator[None]:
+    """(local) The boundary where a checkpoint's files are read and interpreted: an error
+    that is not ours (an OSError; a TypeError from a header field of the wrong type, a
+    RecursionError, ...) becomes a :class:`CheckpointLayoutError` naming the file, with the
+    original as ``__cause__`` (tracebacks and ``--debug`` keep it). Wrap only reading, not
+    the caller's arguments: a bad argument stays the caller's ValueError."""
+    try:
+        yield
+    except OneloadError:
+        raise
+    except OSError as e:
+        raise unreadable(path, e) from e
+    except _MALFORMED as e:
+        text = str(e).rstrip(". ") or "no details"
+        text = text if len(text) <= 300 else text[:300] + " ..."
+        raise MalformedCheckpointError(
+            f"{os.fsdecode(path)}: could not be read as a checkpoint: {type(e).__name__}: {text}. Its contents are "
+            "not what torch.save writes for a metaseq, fairseq or PyTorch model (a header field of the wrong type, "
+            "a structure that does not hold together); nothing from it was used. Re-create or re-copy the file. If "
+            "torch.load(path, weights_only=True) reads it as the checkpoint you expect, this is a bug in "
+            "metaseq-oneload: please report it with the traceback (CLI: --debug).") from e
 
 
 def cap_list(items, n: int = 5, fmt=str, sep: str = ", ") -> str:

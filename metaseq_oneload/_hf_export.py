@@ -158,6 +158,14 @@ class HFExport:
 # --------------------------------------------------------------------------- planning
 
 
+# Every cfg.model argument plan_opt reads.
+_READ_ARGS = frozenset((
+    "activation_fn", "alibi", "attention_dropout", "attn_variant", "decoder_attention_heads", "decoder_embed_dim",
+    "decoder_layers", "decoder_learned_pos", "decoder_normalize_before", "disable_affine_ln", "dropout",
+    "layernorm_embedding", "max_target_positions", "no_decoder_final_norm", "no_scale_embedding",
+    "self_attn_doc_sep", "share_decoder_input_output_embed"))
+
+
 def _arg(args: Mapping, key: str, default=None):
     v = args.get(key, default)
     return default if v is None else v
@@ -186,6 +194,11 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
 
     def refuse(setting: str, why: str) -> None:
         problems.append((setting, why))
+
+    # An argument the file holds as an interpolation is unknown (a file's values are never
+    # resolved): a default in its place could describe another model.
+    for key in sorted(set(getattr(args, "unresolved", {})) & _READ_ARGS):
+        refuse(key, args.why_missing(key) + "; give the checkpoint a cfg.model with the value itself")
 
     # Settings first: they explain missing or extra tensors better than the names do.
     if _arg(args, "alibi", False):
@@ -271,7 +284,8 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
                 refuse(f"decoder.layers.{i}.{leaf}", f"shape {got} differs from layer 0's {want}; OPT layers are uniform")
     heads = args.get("decoder_attention_heads")
     if heads is None:
-        refuse("decoder_attention_heads", "not in cfg.model; the head count cannot be read from the weights")
+        if "decoder_attention_heads" not in getattr(args, "unresolved", {}):  # (else refused above)
+            refuse("decoder_attention_heads", "not in cfg.model; the head count cannot be read from the weights")
     elif hidden % heads:
         refuse(f"decoder_attention_heads={heads}", f"does not divide the hidden size {hidden}")
 

@@ -16,6 +16,7 @@ The metaseq/fairseq file-name grammar::
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ._errors import reading
 from ._reading import read_header
 
 __all__ = ["FileName", "CheckpointFile", "FlatParam", "StoredTensor", "ModelPart", "CheckpointSettings",
@@ -244,12 +246,14 @@ class CheckpointLayout:
     def display_name(self) -> str:
         return os.path.join(self.directory, self.prefix)
 
-    def model_args(self) -> dict:
+    def model_args(self) -> "ModelArgs":
         """The model's hyper-parameters (``cfg.model`` or old fairseq ``args``; a Hugging Face
-        folder's config.json) as a dict."""
+        folder's config.json) as plain data, read raw: an interpolation is never resolved
+        (see :func:`model_args_of`)."""
         if self.config is not None:
-            return dict(self.config)
-        return model_args_of(self.header())
+            return ModelArgs(self.config)
+        with reading(self.files[0][0].path):  # a header field of the wrong type is the file's fault
+            return model_args_of(self.header())
 
     def header(self, part: int = 0, shard: int = 0) -> Any:
         """(local) The pickled object of one file, tensors on ``meta`` (cached)."""
@@ -316,23 +320,168 @@ class CheckpointLayout:
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
-def _get(container: Any, key: str) -> Any:
-    """``container[key]`` for dicts and DictConfigs, ``container.key`` for Namespaces."""
+# --------------------------------------------------------------------------- a file's cfg, as data
+# A checkpoint's cfg may be a pickled OmegaConf DictConfig whose values are interpolations
+# (``${...}``). Resolving one runs whatever resolver the process registered (an ``eval``
+# resolver is a common Hydra idiom) and copies the caller's environment (``oc.env``) into
+# what we report and write: a file's values are data, so every read below takes the node's
+# own stored value and never resolves. An interpolation is an unknown value.
+
+# What one cfg value may expand to: a shared-list DAG of 60 levels pickles in a few hundred
+# bytes and has 2**60 paths; real model arguments are scalars and short lists.
+_MAX_VALUES = 10_000
+_MAX_DEPTH = 32
+
+
+def _omegaconf_types() -> tuple:
+    try:
+        from omegaconf import DictConfig, ListConfig
+    except ImportError:
+        return ()
+    return (DictConfig, ListConfig)
+
+
+def is_interpolation(value: Any) -> bool:
+    """Whether a raw cfg value is OmegaConf interpolation text: in a DictConfig it would be
+    resolved on access, and a plain-dict cfg becomes a DictConfig in metaseq, fairseq and
+    Hydra code downstream, where it would be resolved too."""
+    return isinstance(value, str) and "${" in value
+
+
+def raw_get(container: Any, key: Any) -> Any:
+    """``container[key]`` as the file stores it: dicts, Namespaces and OmegaConf containers,
+    an OmegaConf value node's own stored value (an interpolation comes back as its ``${...}``
+    text, never resolved); None where absent, missing (``???``) or unreadable."""
     if container is None:
         return None
+    oc = _omegaconf_types()
+    if oc and isinstance(container, oc):
+        try:
+            if container._is_interpolation() or container._is_missing() or container._is_none():
+                return None
+            node = container._get_node(key, validate_access=False, throw_on_missing_value=False,
+                                       throw_on_missing_key=False)
+        except Exception:  # a key of the wrong type, a node that is not what its class says
+            return None
+        if node is None:
+            return None
+        if isinstance(node, oc) and not node._is_interpolation():
+            return None if node._is_missing() or node._is_none() else node
+        try:
+            value = node._value()
+        except Exception:
+            return None
+        return None if value == "???" else value
     if isinstance(container, Mapping):
         try:
             return container.get(key)
-        except Exception:  # an interpolation that cannot resolve outside its app
+        except Exception:  # a Mapping that is not a dict
             return None
-    return getattr(container, key, None)
+    if isinstance(key, str) and hasattr(container, "__dict__"):
+        return vars(container).get(key)  # a Namespace's own attributes, never a property
+    return None
 
 
-def model_args_of(header: Any) -> dict:
+def raw_keys(container: Any) -> list:
+    """The keys of a cfg section without touching its values (a DictConfig's ``in`` and
+    iteration resolve them)."""
+    oc = _omegaconf_types()
+    if oc and isinstance(container, oc[:1]):
+        try:
+            return list(container.keys())
+        except Exception:
+            return []
+    if isinstance(container, Mapping):
+        return list(container.keys())
+    if hasattr(container, "__dict__") and not isinstance(container, type):
+        return list(vars(container))
+    return []
+
+
+def _get(container: Any, key: str) -> Any:
+    """``container[key]`` for dicts, DictConfigs and Namespaces, raw (:func:`raw_get`); None
+    where the value is an interpolation (unknown)."""
+    value = raw_get(container, key)
+    return None if is_interpolation(value) else value
+
+
+class _Unknown(Exception):
+    """A cfg value that cannot be taken as data: why, for :attr:`ModelArgs.unresolved`."""
+
+
+def plain(value: Any, *, max_values: int = _MAX_VALUES, max_depth: int = _MAX_DEPTH) -> Any:
+    """(local) A cfg value as plain data (dicts, lists, scalars), read raw; raises
+    :class:`_Unknown` where it holds an interpolation or is larger than ``max_values``
+    values or deeper than ``max_depth``. Every visit counts, so a structure shared along
+    many paths (a DAG) costs at most ``max_values`` steps, not one per path."""
+    budget = [max_values]
+    oc = _omegaconf_types()
+
+    def walk(x: Any, depth: int) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Unknown(f"more than {max_values} values (a structure shared along many paths?)")
+        if depth > max_depth:
+            raise _Unknown(f"nested more than {max_depth} deep")
+        if is_interpolation(x):
+            raise _Unknown(f"an interpolation ({_short(x)}), never resolved from a file")
+        if x is None or isinstance(x, (bool, int, float, str, bytes)):
+            return x
+        if oc and isinstance(x, oc[1]):
+            if x._is_interpolation():
+                raise _Unknown(f"an interpolation ({_short(x._value())}), never resolved from a file")
+            return [walk(raw_get(x, i), depth + 1) for i in range(len(x._content or ()))]
+        if (oc and isinstance(x, oc[0])) or isinstance(x, Mapping) or (
+                isinstance(x, argparse.Namespace)):
+            return {k: walk(raw_get(x, k), depth + 1) for k in raw_keys(x)}
+        if isinstance(x, (list, tuple)):
+            return [walk(v, depth + 1) for v in x]
+        return x  # tensors, enums, numpy scalars: the consumer decides (the index keeps only JSON)
+
+    return walk(value, 0)
+
+
+def _short(text: Any, n: int = 80) -> str:
+    text = str(text)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+class ModelArgs(dict):
+    """A checkpoint's model hyper-parameters as plain data; :attr:`unresolved` maps each
+    argument left out to why (its interpolation text, or its size), so a message about a
+    needed argument can say it is there but unknown."""
+
+    def __init__(self, *args: Any, unresolved: Optional[Mapping] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.unresolved: dict = dict(unresolved or {})
+
+    def why_missing(self, key: str, where: str = "cfg.model") -> str:
+        """'not in cfg.model' or, for an argument left out, what it was and why."""
+        if key in self.unresolved:
+            return f"{where}.{key} is {self.unresolved[key]}, so its value is unknown"
+        return f"not in {where}"
+
+
+def model_args_of(header: Any) -> ModelArgs:
     """A checkpoint header's model hyper-parameters (``cfg.model``, or old fairseq/metaseq
-    ``args``) as a dict; {} where it has none."""
+    ``args``) as plain data, read raw (see :func:`raw_get`); an argument that is or holds an
+    interpolation, or is too large to be one (:func:`plain`), is left out and named in
+    ``unresolved``. Empty where there are none."""
     if not isinstance(header, Mapping):
-        return {}
+        return ModelArgs()
+    for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
+        if candidate is None:
+            continue
+        out, unknown = {}, {}
+        for k in raw_keys(candidate):
+            if not isinstance(k, str):
+                continue
+            try:
+                out[k] = plain(raw_get(candidate, k))
+            except _Unknown as e:
+                unknown[k] = str(e)
+        return ModelArgs(out, unresolved=unknown)
+    return ModelArgs()
     for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
         if candidate is None:
             continue

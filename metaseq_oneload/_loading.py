@@ -59,7 +59,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle
+from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle, tell_failed, tell_left
 from ._exchange import (cached_nodes, chunk_bytes_for, exchange_loop, node_key, overlap, page_cache_view, plan_exchange,
                         private_nodes)
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
@@ -144,7 +144,7 @@ class _Options:
     rules: Optional[Mapping] = None
     dtype: Optional[torch.dtype] = None
     progress: "Optional[bool] | Callable[[int], None]" = None
-    arrival_timeout: Optional[float] = None  # seconds; None: $METASEQ_ONELOAD_ARRIVAL_TIMEOUT or 300
+    arrival_timeout: Optional[float] = None  # seconds; None: $METASEQ_ONELOAD_ARRIVAL_TIMEOUT or 120
 
     def __post_init__(self):
         object.__setattr__(self, "arrival_timeout", arrival_timeout(self.arrival_timeout))
@@ -735,6 +735,17 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
             make_wants: Callable) -> tuple:
     """(collective over both groups) Discover, agree, plan, read, verify. Returns
     (layout or None, targets, structure, report)."""
+    try:
+        return _engine_steps(path, dp, mp, opts, flat, structure_from, make_wants)
+    except BaseException as e:
+        # Failures inside a step are settled together; anything else that leaves the load
+        # (an error between steps, an interrupt) must not leave the others in a collective.
+        tell_left((dp, mp), e)
+        raise
+
+
+def _engine_steps(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_from: Optional[Mapping],
+                  make_wants: Callable) -> tuple:
     t0 = time.perf_counter()
     groups = (dp, mp)
     # 0. Everyone is here: a rank that failed before the load (and lives on) must not leave
@@ -1081,6 +1092,33 @@ def _groups(process_group, model_parallel_group, no_dist: bool = False) -> tuple
     return Group(process_group, "data-parallel"), Group(model_parallel_group, "model-parallel")
 
 
+def _tell_failed(error: BaseException, process_group, model_parallel_group, no_dist: bool,
+                 module: Optional[torch.nn.Module] = None) -> None:
+    """(this rank alone) Its call to a load failed before the check-in: tell the ranks of
+    the groups it would have loaded with (as far as its arguments give them; the default
+    group, or ``module``'s DTensor mesh, where none is given) so that they stop now, with
+    this rank's reason, instead of waiting ``arrival_timeout`` for it. Never raises."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if no_dist and process_group is None and model_parallel_group is None:
+        return  # a load of this process alone: no one waits for it
+    if process_group is None and module is not None:
+        with contextlib.suppress(Exception):
+            mesh = next((t.device_mesh for t in module.state_dict(keep_vars=True).values() if _is_dtensor(t)), None)
+            if mesh is not None and mesh.ndim == 1:
+                process_group = mesh.get_group()
+    try:
+        groups = list(_groups(process_group, model_parallel_group))
+    except Exception:  # noqa: BLE001  (the arguments were what failed: each group that can be built)
+        groups = []
+        for g, role in ((dist.group.WORLD if process_group is None else process_group, "data-parallel"),
+                        (model_parallel_group, "model-parallel")):
+            if g is not None:
+                with contextlib.suppress(Exception):
+                    groups.append(Group(g, role))
+    tell_failed(groups, error)
+
+
 def state_dict_wants(targets: Mapping[str, TargetTensor], structure: Optional[FlatStructure], flat: bool,
                      dp_rank: int, dp_size: int, device: "str | torch.device") -> tuple:
     """(local) What :func:`load_state_dict` fills on one rank: (the wants, the state dict
@@ -1140,10 +1178,14 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """(collective over the groups given) Like :func:`load_state_dict`, returning the
     state dict with its ``shard_metadata``, the layout and a :class:`LoadReport`."""
-    opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
-                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress,
-                    arrival_timeout=arrival_timeout)
-    dp, mp = _groups(process_group, model_parallel_group, no_dist)
+    try:
+        opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
+                        trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress,
+                        arrival_timeout=arrival_timeout)
+        dp, mp = _groups(process_group, model_parallel_group, no_dist)
+    except BaseException as e:
+        _tell_failed(e, process_group, model_parallel_group, no_dist)
+        raise
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     meta: dict = {}
 
@@ -1211,10 +1253,11 @@ def load_state_dict(
         progress: show a progress bar (default: on a terminal, rank 0, loads >= 256 MiB), or
             a callable that receives the number of bytes after each piece lands.
         arrival_timeout: seconds every rank waits, at the start, for the others to reach the
-            load (default: ``$METASEQ_ONELOAD_ARRIVAL_TIMEOUT``, else 300). A rank that never
+            load (default: ``$METASEQ_ONELOAD_ARRIVAL_TIMEOUT``, else 120). A rank that never
             comes (it failed earlier and went on) makes every rank that did raise
             :class:`DistributedLoadError` naming it, instead of waiting in a collective for
-            the process group's timeout.
+            the process group's timeout. A rank whose call fails before the check-in (a bad
+            argument) does not cost the others this wait: they raise its reason at once.
         no_dist: load in this process alone, with no collectives, even where
             ``torch.distributed`` is initialized (each process then reads what it needs itself).
 
@@ -1288,6 +1331,37 @@ def _dtensor_want(name: str, t, post: list) -> Want:
     return Want(name, r0 * inner, tmp)
 
 
+def _prepare_into(module, process_group, model_parallel_group, strategy, device, bucket_mb, chunk_mb, verify, qkv,
+                  rules, trust_pickle, progress, arrival_timeout, no_dist) -> tuple:
+    """(local) :func:`load_into`'s work before the check-in: the module's tensors, the
+    groups (from its DTensors' mesh where none is given) and the options."""
+    entries = module.state_dict(keep_vars=True)
+    mesh = next((t.device_mesh for t in entries.values() if _is_dtensor(t)), None)
+    if no_dist and mesh is not None:
+        raise ValueError(f"{type(module).__name__} holds DTensor parameters (FSDP2): its shards are loaded "
+                         "over their mesh's group, so no_dist=True cannot be used with it.")
+    if process_group is None and mesh is not None:
+        if mesh.ndim == 1:
+            process_group = mesh.get_group()
+        elif mesh.size() == dist.get_world_size():
+            # Every rank of a multi-dimensional mesh (HSDP, FSDP + TP) wants its own box:
+            # one group over all of them lets any failure reach every rank.
+            process_group = dist.group.WORLD
+        else:
+            raise ValueError(
+                f"{type(module).__name__} is sharded over a {mesh.ndim}-D mesh of {mesh.size()} ranks in a world of "
+                f"{dist.get_world_size()}: pass process_group=<a group of exactly the mesh's ranks>.")
+    if device is None and mesh is not None:
+        device = mesh.device_type  # FSDP2 on GPUs: materialise where the mesh lives
+    if qkv is None:
+        qkv = qkv_naming(entries)
+    opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
+                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress,
+                    arrival_timeout=arrival_timeout)
+    dp, mp = _groups(process_group, model_parallel_group, no_dist)
+    return entries, process_group, device, opts, dp, mp
+
+
 def load_into(
     module: torch.nn.Module,
     path: "str | os.PathLike",
@@ -1323,30 +1397,13 @@ def load_into(
     Returns:
         The :class:`LoadReport` (strategy, bytes read, time).
     """
-    entries = module.state_dict(keep_vars=True)
-    mesh = next((t.device_mesh for t in entries.values() if _is_dtensor(t)), None)
-    if no_dist and mesh is not None:
-        raise ValueError(f"{type(module).__name__} holds DTensor parameters (FSDP2): its shards are loaded "
-                         "over their mesh's group, so no_dist=True cannot be used with it.")
-    if process_group is None and mesh is not None:
-        if mesh.ndim == 1:
-            process_group = mesh.get_group()
-        elif mesh.size() == dist.get_world_size():
-            # Every rank of a multi-dimensional mesh (HSDP, FSDP + TP) wants its own box:
-            # one group over all of them lets any failure reach every rank.
-            process_group = dist.group.WORLD
-        else:
-            raise ValueError(
-                f"{type(module).__name__} is sharded over a {mesh.ndim}-D mesh of {mesh.size()} ranks in a world of "
-                f"{dist.get_world_size()}: pass process_group=<a group of exactly the mesh's ranks>.")
-    if device is None and mesh is not None:
-        device = mesh.device_type  # FSDP2 on GPUs: materialise where the mesh lives
-    if qkv is None:
-        qkv = qkv_naming(entries)
-    opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
-                    trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress,
-                    arrival_timeout=arrival_timeout)
-    dp, mp = _groups(process_group, model_parallel_group, no_dist)
+    try:
+        entries, process_group, device, opts, dp, mp = _prepare_into(
+            module, process_group, model_parallel_group, strategy, device, bucket_mb, chunk_mb, verify, qkv, rules,
+            trust_pickle, progress, arrival_timeout, no_dist)
+    except BaseException as e:
+        _tell_failed(e, process_group, model_parallel_group, no_dist, module)
+        raise
     post: list = []
     unloaded: list = []
     materialize_on = torch.device(device) if device is not None else torch.device("cpu")

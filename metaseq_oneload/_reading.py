@@ -46,7 +46,7 @@ import torch
 
 from . import _storage
 from . import _unpickle
-from ._errors import CheckpointLayoutError, UnsafeCheckpointError
+from ._errors import CheckpointLayoutError, OneloadError, UnsafeCheckpointError, os_error_message
 
 __all__ = [
     "safe_globals",
@@ -179,7 +179,7 @@ def _file_kind(path: str) -> str:
             with open(path, "rb") as f:
                 head = f.read(8)
     except OSError as e:
-        raise CheckpointLayoutError(f"{path}: cannot read the file ({e.strerror or e}).") from e
+        raise CheckpointLayoutError(os_error_message(e, path)) from e
     if size == 0:
         raise CheckpointLayoutError(f"{path}: the file is empty (0 bytes); expected a torch checkpoint.")
     if head.startswith(_ZIP_MAGIC):
@@ -325,8 +325,31 @@ def _central_directory(fd: int, size: int, path: str) -> tuple:
                     break
                 x += 4 + ln
         name = raw.decode("utf-8" if flags & 0x800 else "cp437", errors="replace")
+        _check_sizes(path, name, method, csize, usize, hoff, size)
         entries.append((name, flags, method, csize, usize, hoff))
     return entries, cd_offset
+
+
+# deflate's densest code (a 258-byte match in about 2 bits) bounds what a stream can inflate to
+_DEFLATE_RATIO = 1032
+_DEFLATE_SLACK = 1 << 10
+
+
+def _check_sizes(path: str, name: str, method: int, csize: int, usize: int, hoff: int, size: int) -> None:
+    """Refuse a directory entry whose sizes torch's zip reader (miniz) refuses when it opens
+    the archive, whichever record it is: every later read of a record is sized by these
+    numbers, so an entry that disagrees with itself would have us read another record's
+    bytes (a stored record read for its uncompressed size runs into the next one)."""
+    if method == 0 and csize != usize:
+        raise _bad_zip(path, f"record {name} is stored uncompressed, yet its directory entry gives {csize} bytes "
+                             f"in the file and {usize} once read; torch.load refuses the archive too ('invalid "
+                             "header or archive is corrupted')")
+    if usize and not csize:
+        raise _bad_zip(path, f"record {name} claims {usize} bytes from 0 bytes in the file; torch.load refuses "
+                             "the archive too ('invalid header or archive is corrupted')")
+    if hoff + _LOCAL.size + csize > size:
+        raise _bad_zip(path, f"record {name} ({csize} bytes from byte {hoff}) runs past the end of the file "
+                             f"({size} bytes); torch.load refuses the archive too")
 
 
 def _parse_zip(path: str) -> ZipIndex:
@@ -359,6 +382,11 @@ def _parse_zip(path: str) -> ZipIndex:
                     f"{path}: record {name} is compressed with zip method {method} "
                     f"({_METHOD_NAMES.get(method, 'unknown')}), which torch.load cannot read either. "
                     "Re-store the archive uncompressed (zip -0, or Python zipfile with ZIP_STORED).")
+            if method == 8 and usize > csize * _DEFLATE_RATIO + _DEFLATE_SLACK:
+                # before anything is allocated: torch's reader allocates the declared size, then
+                # inflates into it (and hands back what it did not fill where the stream stops)
+                raise _bad_zip(path, f"record {name} claims to inflate to {usize} bytes from {csize} compressed "
+                                     f"bytes, more than deflate can produce ({_DEFLATE_RATIO}:1)")
             local = _pread_exact(fd, hoff, _LOCAL.size, path, f"the local header of {name}")
             if local[:4] != b"PK\x03\x04":
                 raise _bad_zip(path, f"the central directory places {name} at byte {hoff}, "
@@ -377,22 +405,83 @@ def _parse_zip(path: str) -> ZipIndex:
                 raise _bad_zip(path, f"records {prefix}{a.name} and {prefix}{b.name} overlap")
         byteorder = None
         if "byteorder" in records:
-            byteorder = _record_bytes(fd, records["byteorder"], path).decode("ascii", "replace").strip()
+            byteorder = _record_bytes(fd, records["byteorder"], path, folder).decode("ascii", "replace").strip()
         return ZipIndex(path, folder, records, byteorder)
     finally:
         _storage.close(fd)
 
 
-def _record_bytes(fd: int, rec: ZipRecord, path: str) -> bytes:
-    raw = _pread_exact(fd, rec.data_offset, rec.compressed_size, path, f"record {rec.name}")
+def _record_bytes(fd: int, rec: ZipRecord, path: str, folder: str = "") -> bytes:
+    """(local) A small record's bytes (the pickle, byteorder), never more than its directory
+    entry declares: a stream that would inflate past it stops there and is refused."""
+    label = f"{folder}/{rec.name}" if folder else rec.name
     if rec.method == 8:
-        try:
-            raw = zlib.decompress(raw, -15)
-        except zlib.error as e:
-            raise _bad_zip(path, f"record {rec.name} does not inflate ({e})") from None
+        return _inflate_exact(fd, rec, path, keep=True, label=label)
+    raw = _pread_exact(fd, rec.data_offset, rec.compressed_size, path, f"record {label}")
     if len(raw) != rec.size:
-        raise _bad_zip(path, f"record {rec.name} holds {len(raw)} bytes, its directory entry says {rec.size}")
+        raise _bad_zip(path, f"record {label} holds {len(raw)} bytes, its directory entry says {rec.size}")
     return raw
+
+
+_INFLATE_STEP = 4 << 20
+
+
+def _inflate_exact(fd: int, rec: ZipRecord, path: str, *, keep: bool, label: str = "") -> Optional[bytes]:
+    """(local) Inflate a deflated record, refusing a stream that does not end exactly at the
+    record's declared size within its compressed bytes. Memory: the output when ``keep``
+    (bounded by the declared size, whatever the stream holds), else a few MiB.
+
+    torch's reader inflates into a buffer of the declared size and, where the stream stops
+    early or runs on, hands back that buffer without a word: its unfilled bytes are whatever
+    the allocator left there. So a record is inflated here, and checked, before torch reads it.
+    """
+    label = label or rec.name
+    d = zlib.decompressobj(-15)
+    out, done, pos, end = [], 0, rec.data_offset, rec.data_offset + rec.compressed_size
+    pending = b""
+    try:
+        while not d.eof and done <= rec.size:
+            if not pending:
+                if pos >= end:
+                    break
+                n = min(_INFLATE_STEP, end - pos)
+                pending = _pread_exact(fd, pos, n, path, f"record {label}")
+                pos += n
+            # max_length: one call never produces more than a step, nor more than one byte
+            # past the declared size (enough to see a stream that goes on)
+            piece = d.decompress(pending, min(_INFLATE_STEP, rec.size + 1 - done))
+            pending = d.unconsumed_tail
+            done += len(piece)
+            if keep:
+                out.append(piece)
+    except zlib.error as e:
+        raise _bad_zip(path, f"record {label} does not inflate ({e})") from None
+    if done > rec.size:
+        raise _bad_zip(path, f"record {label} inflates to more than the {rec.size} bytes its directory entry "
+                             "declares (inflating stopped there)")
+    if not d.eof:
+        raise _bad_zip(path, f"record {label}'s compressed stream ends after {done} of its {rec.size} bytes "
+                             f"(its {rec.compressed_size} compressed bytes hold no end of stream)")
+    if done != rec.size:
+        raise _bad_zip(path, f"record {label} holds {done} bytes, its directory entry says {rec.size}")
+    return b"".join(out) if keep else None
+
+
+@functools.lru_cache(maxsize=256)
+def _check_deflated(key: tuple) -> None:
+    """(local) Every deflated record of a zip inflates to exactly its declared size: checked
+    once per file version before ``torch.load`` reads it whole (see :func:`_inflate_exact`)."""
+    path = key[0]
+    index = _zip_index(key)
+    records = [r for r in index.records.values() if r.method == 8]
+    if not records:
+        return
+    fd = _storage.open_ro(path)
+    try:
+        for rec in records:
+            _inflate_exact(fd, rec, path, keep=False, label=f"{index.folder}/{rec.name}")
+    finally:
+        _storage.close(fd)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -400,7 +489,7 @@ def _zip_index(key: tuple) -> ZipIndex:
     try:
         return _parse_zip(key[0])
     except OSError as e:
-        raise CheckpointLayoutError(f"{key[0]}: cannot read the file ({e.strerror or e}).") from e
+        raise CheckpointLayoutError(os_error_message(e, key[0])) from e
 
 
 # --------------------------------------------------------------------------- the pickle's storages
@@ -488,10 +577,27 @@ class _StorageRefScanner(pickle.Unpickler):
         return _Stub()
 
 
+class _DictMemoScanner(pickle._Unpickler):
+    """The same replay in pickle's Python unpickler, whose memo is a dict (as torch's
+    loader's is): a memo index far past the memo costs one entry, where the C unpickler
+    grows an array to twice the index and clears it (LONG_BINPUT 2**27 in a 1 KB file: 2 GiB
+    written). About as slow as torch's loader, so only for pickles the C one cannot take."""
+
+    find_class = _StorageRefScanner.find_class
+    persistent_load = _StorageRefScanner.persistent_load
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.pids: list = []
+
+
 def _storage_refs(data: bytes, path: str) -> list:
-    """The storages a torch pickle refers to, each once, in first-use order."""
+    """(local) The storages a torch pickle refers to, each once, in first-use order."""
     try:
-        scanner = _StorageRefScanner(data)
+        # torch.save's pickles (only opcodes torch's loader reads, memo indices within the
+        # pickle's length: a memo of at most 16 bytes per pickle byte) go through the C one
+        scan = _StorageRefScanner if _unpickle._torch_opcodes_only(data) else _DictMemoScanner
+        scanner = scan(data)
         scanner.load()
     except Exception as e:  # noqa: BLE001 - whatever a stub could not stand in for
         raise CheckpointLayoutError(
@@ -515,11 +621,27 @@ def _storage_refs(data: bytes, path: str) -> list:
 
 
 # --------------------------------------------------------------------------- the header's tensors
-def _walk_tensors(obj: Any, path: tuple = (), seen: Optional[set] = None):
-    """(dotted name, tensor or storage) for every tensor in dicts, lists, tuples and Namespaces
-    (an omegaconf container holds no tensors, and iterating one resolves interpolations)."""
+_WALKED = (dict, list, tuple, argparse.Namespace, torch.Tensor, torch.UntypedStorage, torch.TypedStorage, set)
+
+
+def _key_height(k: Any, file: str, path: tuple, depth: int) -> int:
+    """How deep a dict key or set element nests (tuples in tuples), bounded like values."""
+    if type(k) is not tuple:
+        return 0
+    if depth > _unpickle.MAX_DEPTH:
+        raise _unpickle.too_deep_error(file, list(path))
+    return 1 + max((_key_height(v, file, path, depth + 1) for v in k), default=0)
+
+
+def _walk_tensors(obj: Any, file: str = "the checkpoint", path: tuple = (), seen: Optional[set] = None,
+                  depth: int = 1, heights: Optional[dict] = None):
+    """(local) (dotted name, tensor or storage) for every tensor in dicts, lists, tuples and
+    Namespaces (an omegaconf container holds no tensors, and iterating one resolves
+    interpolations). Each container is entered once however often it is shared; past
+    ``_unpickle.MAX_DEPTH`` levels of nesting (counting the levels a shared container holds
+    wherever it is met again) it raises CheckpointLayoutError naming ``file``."""
     if seen is None:
-        seen = set()
+        seen, heights = set(), {}
     if isinstance(obj, torch.Tensor):
         if obj.layout == torch.strided:  # sparse tensors are read whole, like legacy files
             yield ".".join(path), obj
@@ -527,14 +649,30 @@ def _walk_tensors(obj: Any, path: tuple = (), seen: Optional[set] = None):
     if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
         yield ".".join(path), obj
         return
-    if isinstance(obj, (dict, list, tuple, argparse.Namespace)):
+    if isinstance(obj, (dict, list, tuple, argparse.Namespace, set)):
         if id(obj) in seen:
+            h = heights.get(id(obj))  # None while it is walked: a cycle
+            if h is not None and depth + h - 1 > _unpickle.MAX_DEPTH:
+                raise _unpickle.too_deep_error(file, list(path))
             return
+        if depth > _unpickle.MAX_DEPTH:
+            raise _unpickle.too_deep_error(file, list(path))
         seen.add(id(obj))
-        items = (vars(obj).items() if isinstance(obj, argparse.Namespace)
-                 else obj.items() if isinstance(obj, dict) else enumerate(obj))
-        for k, v in items:
-            yield from _walk_tensors(v, path + (str(k),), seen)
+        sub = 0
+        if isinstance(obj, set):  # not searched for tensors (as before); its elements nest
+            sub = max((_key_height(k, file, path, depth + 1) for k in obj), default=0)
+        else:
+            if isinstance(obj, dict) and not all(type(k) is str for k in obj):
+                sub = max((_key_height(k, file, path, depth + 1) for k in obj), default=0)
+            items = (vars(obj).items() if isinstance(obj, argparse.Namespace)
+                     else obj.items() if isinstance(obj, dict) else enumerate(obj))
+            for k, v in items:
+                if isinstance(v, _WALKED):
+                    yield from _walk_tensors(v, file, path + (str(k),), seen, depth + 1, heights)
+                    sub = max(sub, heights.get(id(v), 0))
+        if depth + sub > _unpickle.MAX_DEPTH:
+            raise _unpickle.too_deep_error(file, list(path))
+        heights[id(obj)] = 1 + sub
 
 
 def _untyped(x: Any) -> torch.UntypedStorage:
@@ -619,7 +757,17 @@ def _check_zip(path: str, obj: Any, index: ZipIndex, data_pkl: bytes) -> None:
     """Check every storage the pickle names against its record and attach the verified data
     offsets that :func:`storage_byte_offset` returns."""
     refs = _storage_refs(data_pkl, path)
-    found = list(_walk_tensors(obj))
+    found = list(_walk_tensors(obj, path))
+    # A tensor torch.save wrote without data (a meta tensor: torch._utils.
+    # _rebuild_meta_tensor_no_storage) has no record: torch's meta load gives every storage it
+    # read from a record its place, and gives these none. They are marked, so that a load
+    # never allocates what they declare (they hold nothing to load), and set aside.
+    placed = [getattr(_untyped(t), "_checkpoint_offset", None) is not None for _, t in found]
+    if any(placed) or (found and not refs):
+        for (_, t), p in zip(found, placed):
+            if not p:
+                _untyped(t)._oneload_storageless = True
+        found = [nt for nt, p in zip(found, placed) if p]
     keys = _storage_keys(found, refs, index)
     named: dict = {}
     if keys is not None:
@@ -704,7 +852,10 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
                 "from the file was executed. If you trust this file and its author, load it with "
                 "trust_pickle=True (CLI: --trust-pickle); that runs whatever code the pickle holds."
             ) from None
-        raise CheckpointLayoutError(f"{path}: the checkpoint's pickle is damaged ({e}).") from e
+        raise CheckpointLayoutError(f"{path}: the checkpoint's pickle is damaged ({_quote(e)}). Copy the file "
+                                    "again from its source.") from e
+    except OneloadError:  # a remote file's own refusal, already in our words
+        raise
     except RuntimeError as e:
         msg = str(e)
         if "central directory" in msg or "zip archive" in msg or "PytorchStreamReader" in msg:
@@ -720,7 +871,34 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
                 f"{path}: a tensor's header and its stored bytes disagree ({msg.splitlines()[0]}); "
                 "the file is damaged or was edited: copy it again from its source."
             ) from e
+        raise _unrebuildable(path, e, trust_pickle) from e
+    except OSError as e:
+        raise CheckpointLayoutError(os_error_message(e, path)) from e
+    except MemoryError:
         raise
+    except Exception as e:  # noqa: BLE001 - whatever an allowlisted call or a crafted opcode raised in torch's loader
+        raise _unrebuildable(path, e, trust_pickle) from e
+
+
+def _quote(e: BaseException, limit: int = 300) -> str:
+    """``type: message`` of an error raised on a file's behalf, cut to ``limit`` characters:
+    a crafted pickle chooses the arguments a message quotes (a 100 KB string)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+
+
+def _unrebuildable(path: str, e: BaseException, trust_pickle: bool) -> CheckpointLayoutError:
+    """The refusal of a pickle torch's loader fails on: an allowlisted function that failed on
+    what the file handed it (bool() of a meta tensor, float() of a word), a memo entry never
+    stored, nesting past the interpreter's recursion limit. torch.save never writes such a
+    pickle."""
+    how = "weights_only=False" if trust_pickle else "weights_only=True"
+    what = (f"it refers to memo entry {e.args[0]!r}, which it never stored" if type(e) is KeyError and e.args
+            else _quote(e))
+    return CheckpointLayoutError(
+        f"{path}: torch.load({how}) cannot rebuild the file's pickle ({what}). A pickle torch.save wrote "
+        "rebuilds without error: the file was damaged or crafted, and nothing from it is used. Copy it again "
+        "from its source, or re-save it with torch.save.")
 
 
 def _stat_key(path: str) -> tuple:
@@ -743,13 +921,13 @@ def _cached_header(key: tuple, trust_pickle: bool) -> Any:
             raise _bad_zip(path, f"it holds no {index.folder}/data.pkl record (the pickle torch.load reads)")
         fd = _storage.open_ro(path)
         try:
-            data_pkl = _record_bytes(fd, pkl, path)
+            data_pkl = _record_bytes(fd, pkl, path, index.folder)
         finally:
             _storage.close(fd)
     obj = _torch_load(path, trust_pickle=trust_pickle, map_location="meta",
                       archive=None if index is None else (index, data_pkl))
     if index is None:  # legacy: read whole by torch.load, which checks its own sizes; the shapes still here
-        _check_bounds(path, list(_walk_tensors(obj)))
+        _check_bounds(path, list(_walk_tensors(obj, path)))
     return obj
 
 
@@ -777,7 +955,7 @@ def read_header(path: str, *, trust_pickle: bool = False) -> Any:
     try:
         key = _stat_key(path)
     except OSError as e:
-        raise CheckpointLayoutError(f"{path}: cannot read the file ({e.strerror or e}).") from e
+        raise CheckpointLayoutError(os_error_message(e, path)) from e
     return _cached_header(key, bool(trust_pickle))
 
 
@@ -794,6 +972,8 @@ def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True, exc
             return fetched
     # A compressed or big-endian zip cannot be memory-mapped; torch reads it whole.
     mmap = mmap and (_file_kind(path) != "zip" or range_readable(path))
+    if _file_kind(path) == "zip" and not mmap:
+        _check_deflated(_stat_key(path))
     obj = _torch_load(path, trust_pickle=trust_pickle, map_location="cpu", mmap=mmap)
     if exclude and isinstance(obj, dict):
         obj = {k: v for k, v in obj.items() if k not in exclude}
@@ -807,7 +987,7 @@ def _fetched(url: str, header: Any, exclude: tuple) -> Any:
     src = {k: v for k, v in header.items() if k not in exclude} if isinstance(header, dict) else header
     memo: dict = {}
     storages: dict = {}
-    for _, t in _walk_tensors(src):
+    for _, t in _walk_tensors(src, url):
         if not isinstance(t, torch.Tensor):
             return None
         s = t.untyped_storage()

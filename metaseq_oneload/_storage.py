@@ -13,7 +13,18 @@ A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec protocol) goe
   ``concurrency * part_bytes`` beyond the destination;
 * each request retried with exponential backoff and jitter on transient errors (5xx,
   throttling, connection resets, timeouts), never on a missing object or a refused
-  credential, which are answered at once.
+  credential, which are answered at once;
+* every answer checked, never taken as given: an S3 ranged GET must come back 206 with the
+  ``Content-Range`` asked for and exactly that many bytes, else :class:`RemoteStoreError`
+  (a server, proxy or cache that ignores ``Range``, answers another range, sends a short or
+  long body, or redirects) at once, without retries; other protocols' answers are checked
+  for their exact length (fsspec shows nothing else of them);
+* each object pinned from the first time it is seen (its size and ETag, and its VersionId
+  where the bucket keeps versions) until the next discovery of its folder
+  (:func:`refresh`): every read of it asks the store for that version (``If-Match``), and
+  a store that holds another one now, or a stat that finds one, is a
+  :class:`RemoteObjectChangedError` naming the object, never bytes of two versions in one
+  load.
 
 Settings come from the environment, so that every entry point (the API, the CLI, the
 metaseq patch, torchrun workers) sees the same ones:
@@ -44,15 +55,18 @@ import random
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from ._errors import OneloadError, RemoteObjectChangedError, RemoteStoreError
 
 __all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget"]
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 # Errors no retry can cure: a missing object, a refused credential, a bad argument.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
-              TypeError, NotImplementedError)
+              TypeError, NotImplementedError, OneloadError)
 
 
 def is_url(path: Any) -> bool:
@@ -138,11 +152,48 @@ def reset_stats() -> None:
 
 
 def forget() -> None:
-    """Drop cached stats, header bytes and read-ahead windows: the next read asks the store."""
+    """Drop cached stats, pins, header bytes and read-ahead windows: the next read asks the store."""
     _CACHE.clear()
     _READ_AHEAD.clear()
     with _STAT_LOCK:
         _STAT_CACHE.clear()
+        _PINS.clear()
+    for fs in list(_FILESYSTEMS):  # and fsspec's listings (s3fs answers stats from them)
+        try:
+            fs.invalidate_cache()
+        except Exception:  # noqa: BLE001 - a filesystem that keeps none
+            pass
+
+
+def refresh(path: str) -> None:
+    """(local; discovery, on each rank that discovers) Unpin ``path`` and every object in
+    its folder, and drop their kept stats: a discovery describes the objects as the store
+    holds them now, and pins what it sees for the load that follows."""
+    if not is_url(path):
+        return
+    path = path.rstrip("/")
+    folder = path.rsplit("/", 1)[0] + "/"
+    with _STAT_LOCK:
+        for table in (_STAT_CACHE, _PINS):
+            for url in [u for u in table if u == path or u.startswith(folder)]:
+                del table[url]
+    try:  # fsspec's own listings too (s3fs answers a stat from them, however old)
+        fs, p = _fs(path)
+        fs.invalidate_cache(p)
+        fs.invalidate_cache(p.rsplit("/", 1)[0])
+    except (ImportError, ValueError):  # no such protocol here: the discovery will say so
+        pass
+
+
+def pin(url: str, size: int, version: str) -> None:
+    """(local; a rank that adopts another rank's layout) Read ``url`` as the version the
+    layout was discovered from, which the sending rank saw (its ETag for S3): a store that
+    holds another one by the time this rank reads it is a RemoteObjectChangedError here
+    too, not bytes of the new version under the old layout."""
+    if is_url(url):
+        with _STAT_LOCK:
+            _PINS[url] = Stat(int(size), str(version), False, etag=str(version) if _etag_protocol(url) else "")
+            _PINS.move_to_end(url)
 
 
 # --------------------------------------------------------------------------- fsspec
@@ -155,6 +206,9 @@ def _missing_fsspec(url: str, e: ImportError) -> ImportError:
         "adlfs for az://, aiohttp for http(s)://).")
 
 
+_FILESYSTEMS: "weakref.WeakSet" = weakref.WeakSet()
+
+
 @functools.lru_cache(maxsize=64)
 def _filesystem(protocol: str, options: str, url_example: str, pid: int):
     # ``pid``: a forked child (a DataLoader worker) must not use its parent's event loop
@@ -163,7 +217,9 @@ def _filesystem(protocol: str, options: str, url_example: str, pid: int):
     except ImportError as e:
         raise _missing_fsspec(url_example, e) from None
     try:
-        return fsspec.filesystem(protocol, **json.loads(options))
+        fs = fsspec.filesystem(protocol, **json.loads(options))
+        _FILESYSTEMS.add(fs)
+        return fs
     except ImportError as e:
         raise _missing_fsspec(url_example, e) from None
     except ValueError as e:  # fsspec: "Protocol not known"
@@ -215,12 +271,19 @@ class Stat:
     size: int
     version: str  # ETag, generation or modification time: changes when the object does
     isdir: bool
+    etag: str = ""  # what a read sends as If-Match (S3)
+    version_id: str = ""  # S3 VersionId, where the bucket keeps versions
 
 
 def _stat_of(info: dict) -> Stat:
     version = next((str(info[k]) for k in ("ETag", "etag", "generation", "mtime", "LastModified",
                                            "last_modified", "created") if info.get(k) is not None), "")
-    return Stat(int(info.get("size") or 0), version, info.get("type") == "directory")
+    return Stat(int(info.get("size") or 0), version, info.get("type") == "directory",
+                etag=str(info.get("ETag") or ""), version_id=str(info.get("VersionId") or ""))
+
+
+def _etag_protocol(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("s3", "s3a")
 
 
 # One load asks the size and kind of each object many times (discovery, the zip parser, the
@@ -228,6 +291,29 @@ def _stat_of(info: dict) -> Stat:
 _STAT_TTL_S = 10.0
 _STAT_CACHE: dict = {}
 _STAT_LOCK = threading.Lock()
+# The version of each object a load reads: set when the object is first seen (or by the
+# layout another rank sent), kept past the stat TTL until the next discovery of its folder
+# (refresh), dropped when it is found changed. Bounded: a process that has seen this many
+# objects has long finished loading the first.
+_PINS: "collections.OrderedDict[str, Stat]" = collections.OrderedDict()
+_MAX_PINS = 1 << 16
+
+
+def _changed(url: str, old: Stat, now: str) -> RemoteObjectChangedError:
+    """The error for an object found replaced; forgets what this process kept of it, so that
+    the next load (after the user's retry) reads the new version from its start."""
+    with _STAT_LOCK:
+        _STAT_CACHE.pop(url, None)
+        if _PINS.get(url) == old:
+            del _PINS[url]
+    _CACHE.drop(url)
+    _READ_AHEAD.drop(url)
+    return RemoteObjectChangedError(
+        f"{url}: the object changed while it was being read: this load read its header from the "
+        f"version of {old.size} bytes{f' with ETag {old.etag}' if old.etag else f' ({old.version})' if old.version else ''}"
+        f", and {now}. Nothing of the other version was used. Load again once nothing writes the object any "
+        "more (the next load reads the version the store then holds, from its start); if it is being "
+        "written by a running job, load a checkpoint the job has finished writing.")
 
 
 def _stat_url(url: str) -> Stat:
@@ -235,12 +321,34 @@ def _stat_url(url: str) -> Stat:
     with _STAT_LOCK:
         hit = _STAT_CACHE.get(url)
     if hit is not None and now - hit[0] < _STAT_TTL_S:
-        return hit[1]
-    fs, path = _fs(url)
-    st = _stat_of(_request(url, "stat", fs.info, path))
+        st = hit[1]
+    else:
+        fs, path = _fs(url)
+        st = _stat_of(_request(url, "stat", fs.info, path))
+        with _STAT_LOCK:
+            _STAT_CACHE[url] = (now, st)
+    if st.isdir:
+        return st
     with _STAT_LOCK:
-        _STAT_CACHE[url] = (now, st)
-    return st
+        pinned = _PINS.get(url)
+        if pinned is None:
+            _PINS[url] = st
+            while len(_PINS) > _MAX_PINS:
+                _PINS.popitem(last=False)
+            return st
+    # (a listing and a stat may spell a modification time differently: only sizes and
+    # ETags are compared, which every answer spells alike)
+    if pinned.size != st.size or (pinned.etag and st.etag and pinned.etag != st.etag):
+        raise _changed(url, pinned, f"the store now holds one of {st.size} bytes"
+                       f"{f' with ETag {st.etag}' if st.etag else f' ({st.version})' if st.version else ''}")
+    return pinned
+
+
+def _pinned(url: str) -> Stat:
+    """The version of ``url`` this load reads (pinned now where it was not yet)."""
+    with _STAT_LOCK:
+        st = _PINS.get(url)
+    return st if st is not None else _stat_url(url)
 
 
 # --------------------------------------------------------------------------- os-like calls
@@ -362,14 +470,148 @@ def read_small(path: str, limit: int) -> Optional[bytes]:
 # --------------------------------------------------------------------------- ranged reads
 
 
-def read_range(url: str, offset: int, n: int) -> bytes:
-    """Bytes ``offset .. offset+n`` of an object (fewer where it ends first), in one request."""
+def read_range(url: str, offset: int, n: int, st: Optional[Stat] = None) -> bytes:
+    """(local) Bytes ``offset .. offset+n`` of the pinned version of an object (``st``, the
+    version a header was read from, where given), fewer only where it ends first; in one
+    request, whose answer is checked (see the module docstring).
+
+    Raises:
+        RemoteStoreError: the store answered with other bytes than asked for (wrong status,
+            range or length, a redirect).
+        RemoteObjectChangedError: the store holds another version of the object now.
+    """
+    st = st or _pinned(url)
+    n = max(0, min(n, st.size - offset))
     if n <= 0:
         return b""
     fs, path = _fs(url)
-    data = _request(url, f"reading bytes {offset}..{offset + n}", fs.cat_file, path, start=offset, end=offset + n)
+    what = f"reading bytes {offset}..{offset + n}"
+    if _etag_protocol(url) and hasattr(fs, "_call_s3"):
+        from fsspec.asyn import sync
+
+        data = _request(url, what, sync, fs.loop, _s3_ranged, fs, url, path, offset, n, st)
+    else:
+        # fsspec's other protocols show the bytes only, not the answer's status or range:
+        # their length is what can be checked
+        data = _request(url, what, fs.cat_file, path, start=offset, end=offset + n)
+        if len(data) != n:
+            raise _wrong(url, offset, n, f"sent {len(data)} bytes; asked for {n}")
     _STATS.add(bytes=len(data))
     return data
+
+
+def _wrong(url: str, offset: int, n: int, what: str) -> RemoteStoreError:
+    return RemoteStoreError(
+        f"{url}: the store answered a read of bytes {offset}-{offset + n - 1} wrongly: it {what}. Nothing "
+        "it sent was used. A server, proxy or cache between here and the store does not honour ranged "
+        "reads: point endpoint_url (METASEQ_ONELOAD_STORAGE_OPTIONS) at one that does, or copy the files "
+        "to a local folder and load them from there.")
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def _client_error(e: BaseException):
+    """The botocore ClientError behind what s3fs raised (it translates them into OSErrors)."""
+    for x in (e, e.__cause__, e.__context__):
+        if getattr(x, "response", None) is not None and isinstance(x.response, dict):
+            return x
+    return None
+
+
+async def _s3_ranged(fs, url: str, path: str, offset: int, n: int, st: Stat) -> bytes:
+    """One GetObject of bytes ``offset .. offset+n`` of version ``st``: nothing of the body
+    is used (nor, past the checks of the headers, read) unless the answer is the range asked
+    for, of that version, of exactly ``n`` bytes."""
+    bucket, key, vers = fs.split_path(path)
+    kw = {"Range": f"bytes={offset}-{offset + n - 1}"}
+    if st.etag:
+        kw["IfMatch"] = st.etag
+    if st.version_id or vers:
+        kw["VersionId"] = st.version_id or vers
+    await fs.set_session()
+    await _hook(fs, bucket)
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+    except Exception as e:  # noqa: BLE001 - what the store's refusal says decides
+        ce = _client_error(e)
+        if ce is None:
+            raise
+        meta = ce.response.get("ResponseMetadata") or {}
+        hop = _redirected(url, offset, n, meta)
+        if hop is not None:
+            raise hop from None
+        code = str((ce.response.get("Error") or {}).get("Code") or "")
+        status = int(meta.get("HTTPStatusCode") or 0)
+        if code == "PreconditionFailed" or status == 412:
+            raise _changed(url, st, "the store holds another version now (it refused a read of that ETag: "
+                           "412 Precondition Failed)") from None
+        if 300 <= status < 400 or code in ("301", "302", "303", "307", "308", "PermanentRedirect",
+                                           "TemporaryRedirect"):
+            where = (meta.get("HTTPHeaders") or {}).get("location") or "elsewhere"
+            raise _wrong(url, offset, n, f"redirected it (HTTP {status or code} to {where}); a ranged read "
+                         "must be answered where it was sent, what a redirect points to is not used") from None
+        raise
+    body = resp["Body"]
+    try:
+        meta = resp.get("ResponseMetadata") or {}
+        hop = _redirected(url, offset, n, meta)
+        if hop is not None:
+            raise hop
+        status = int(meta.get("HTTPStatusCode") or 0)
+        if status != 206:
+            raise _wrong(url, offset, n, f"answered HTTP {status}, not 206 (Partial Content): "
+                         f"{'it ignored the Range header and sent the whole object' if status == 200 else 'no range'}")
+        got_range = str(resp.get("ContentRange") or "")
+        m = _CONTENT_RANGE.match(got_range)
+        if m is None or (int(m.group(1)), int(m.group(2))) != (offset, offset + n - 1):
+            raise _wrong(url, offset, n, f"sent Content-Range {got_range or '(none)'}; asked for bytes "
+                         f"{offset}-{offset + n - 1}")
+        if m.group(3) != "*" and int(m.group(3)) != st.size:
+            raise _changed(url, st, f"the store answers for an object of {m.group(3)} bytes")
+        length = resp.get("ContentLength")
+        if length is not None and int(length) != n:
+            raise _wrong(url, offset, n, f"announced {length} bytes for that range; asked for {n}")
+        data = bytearray()
+        while len(data) <= n:  # one more than asked: a body longer than it said is refused too
+            chunk = await body.read(n + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) != n:
+            raise _wrong(url, offset, n, f"sent {len(data)}{'+' if len(data) > n else ''} bytes; asked for {n}")
+        return bytes(data)
+    finally:
+        body.close()
+
+
+def _note_redirect(http_response=None, parsed=None, **_):
+    """(botocore's after-call hook) aiohttp follows redirects on its own, and botocore then
+    parses the last answer as if it were the first: say in the parsed answer that there was
+    one, so that the read refuses it (a ranged read answered elsewhere is not the store's)."""
+    history = getattr(getattr(http_response, "raw", None), "history", None)
+    if history and isinstance(parsed, dict):
+        parsed.setdefault("ResponseMetadata", {})["OneloadRedirect"] = (
+            int(getattr(history[0], "status", 0) or 0), str(getattr(history[0], "headers", {}).get("Location", "")))
+
+
+_HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # the clients that carry _note_redirect
+
+
+async def _hook(fs, bucket: str) -> None:
+    s3 = await fs.get_s3(bucket)
+    if s3 not in _HOOKED:
+        # (registering twice under one unique_id is a no-op: a race here costs nothing)
+        s3.meta.events.register("after-call.s3.GetObject", _note_redirect, unique_id="metaseq-oneload-redirect")
+        _HOOKED.add(s3)
+
+
+def _redirected(url: str, offset: int, n: int, meta: dict) -> Optional[RemoteStoreError]:
+    hop = meta.get("OneloadRedirect")
+    if not hop:
+        return None
+    return _wrong(url, offset, n, f"redirected it (HTTP {hop[0]} to {hop[1] or 'another address'}); a ranged "
+                  "read must be answered where it was sent, what a redirect points to is not used")
 
 
 _POOL_LOCK = threading.Lock()
@@ -408,9 +650,15 @@ class _ReadAhead:
             self._windows.clear()
             self._runs.clear()
 
+    def drop(self, url: str) -> None:
+        with self._lock:
+            for table in (self._windows, self._runs):
+                for k in [k for k in table if k[0] == url]:
+                    del table[k]
+
     def read(self, url: str, offset: int, view: memoryview) -> int:
         n = len(view)
-        st = _stat_url(url)
+        st = _pinned(url)
         key = (url, st.size, st.version)
         with self._lock:
             win = self._windows.get(key)
@@ -422,7 +670,7 @@ class _ReadAhead:
             end, last = self._runs.get(key, (None, 0))
         follows = end is not None and 0 <= offset - end <= self.GAP
         want = min(self.WINDOW, max(2 * last, n)) if follows else n
-        data = read_range(url, offset, min(max(want, n), max(0, st.size - offset)))
+        data = read_range(url, offset, min(max(want, n), max(0, st.size - offset)), st)
         got = min(n, len(data))
         view[:got] = data[:got]
         with self._lock:
@@ -444,7 +692,7 @@ class _ReadAhead:
         with self._lock:
             if not any(k[0] == url for k in self._windows):
                 return 0, -1
-        st = _stat_url(url)  # (cached: the read that kept the window asked it)
+        st = _pinned(url)  # (the read that kept the window pinned it)
         with self._lock:
             win = self._windows.get((url, st.size, st.version))
             if win is None or not win[0] <= offset < win[0] + len(win[1]):
@@ -518,6 +766,12 @@ class _SegmentCache:
             self._by_key.clear()
             self._bytes = 0
 
+    def drop(self, url: str) -> None:
+        with self._lock:
+            for k in [k for k in self._by_key if k[0] == url]:
+                _, old = self._by_key.pop(k)
+                self._bytes -= sum(len(d) for d in old)
+
     def get(self, key: tuple, offset: int, n: int) -> Optional[bytes]:
         with self._lock:
             segs = self._by_key.get(key)
@@ -568,6 +822,7 @@ class RemoteFile(io.RawIOBase):
         if st.isdir:
             raise IsADirectoryError(f"{url}: a folder, not a file")
         self.size = st.size
+        self._st = st
         self._key = (url, st.size, st.version)
         self._pos = 0
 
@@ -593,7 +848,7 @@ class RemoteFile(io.RawIOBase):
         if hit is not None:
             return hit
         want = n if n >= _MIN_FETCH else min(self.size - offset, _MIN_FETCH)
-        data = read_range(self.url, offset, want)
+        data = read_range(self.url, offset, want, self._st)
         _CACHE.put(self._key, offset, data)
         return data[:n]
 
@@ -615,7 +870,7 @@ class RemoteFile(io.RawIOBase):
 
         def one(an):
             a, n = an
-            _CACHE.put(self._key, a, read_range(self.url, a, n))
+            _CACHE.put(self._key, a, read_range(self.url, a, n, self._st))
 
         list(_pool(s.concurrency).map(one, todo))
 

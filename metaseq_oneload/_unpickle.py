@@ -31,8 +31,19 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
   list, APPENDS/SETITEMS with no items, BUILD with an empty state (on a tuple, None, a
   dtype); torch's loader refuses them, they change nothing, and telling them apart needs
   to know what is on the stack, which the scan does not track.
+* before either unpickler runs the pickle, the tuples it builds are followed on a stack of
+  numbers (:func:`_scan`): one nested past MAX_DEPTH, or whose walk meets more items than
+  the file could hold without sharing, is refused (hashing it as a key would crash the
+  process or never end, in torch's loader too).
+* what the pass puts where torch's loader puts a tensor, a storage or a global (a record of
+  ours) refuses repr, hash and truth value while the pass runs: an allowlisted callable
+  applied to it (``str``, ``bool``, ``set``, ``Counter``, a dict key) would make something
+  other than what it makes of torch's object, so torch's loader reads such a file. Dict keys
+  and set elements in the result are checked like values (no stand-in of a global).
 * the checks of a header read run on the records: every storage has its record, of its
-  size; every tensor lies inside its storage.
+  size; every tensor lies inside its storage. The walk that builds the meta tensors enters
+  each shared container once, and refuses (CheckpointLayoutError) a header nested past
+  MAX_DEPTH, counting what a shared container holds wherever it is met again.
 * meta tensors are built for everything but the top-level ``last_optimizer_state``, which
   becomes a dict that builds its tensors on first read (:class:`_Deferred`): discovery
   never reads it, the optimizer paths (``_optim``) do.
@@ -58,7 +69,15 @@ from typing import Any, Optional
 
 import torch
 
+from ._errors import CheckpointLayoutError
+
 _OPTIMIZER_KEY = "last_optimizer_state"
+# How deep containers may nest in a header (dicts, lists, tuples, sets, Namespaces, one in
+# the next). metaseq's and fairseq's deepest is about 10 (cfg sections, FSDP metadata); a
+# crafted pickle nests 200,000 deep in 400 KB, which torch's loader builds (it does not
+# recurse) and every recursive walk of the result then fails on (ours, deepcopy, pickle.dumps
+# for a broadcast, repr). Checked where the header is first walked, before anyone else walks it.
+MAX_DEPTH = 100
 
 # The opcodes torch's weights_only loader reads, by their argument's length; the C unpickler
 # reads every other one too, and some reach past find_class: EXT takes a global from
@@ -112,6 +131,169 @@ def _torch_opcodes_only(data: bytes) -> bool:
         return False
 
 
+# How the rarer opcodes torch's loader reads move the stack, for _scan (the common ones
+# are spelled out there): what each pushes (a scalar, an empty container: nesting 0), pops.
+_PUSH0, _TUPLE_N, _POP1, _POP2, _POP_MARK, _NOP = range(6)
+_SIM = [-1] * 256
+for _ops, _kind in (((pickle.NONE, pickle.NEWTRUE, pickle.BININT, pickle.BININT2, pickle.BINFLOAT,
+                      pickle.SHORT_BINSTRING, pickle.LONG1, pickle.GLOBAL, pickle.EMPTY_LIST, pickle.EMPTY_DICT,
+                      pickle.EMPTY_SET), _PUSH0),
+                    ((pickle.TUPLE2, pickle.TUPLE3), _TUPLE_N), ((pickle.APPEND, pickle.BUILD), _POP1),
+                    ((pickle.SETITEM,), _POP2), ((pickle.APPENDS, pickle.SETITEMS), _POP_MARK),
+                    ((pickle.PROTO, pickle.BINPUT), _NOP)):
+    for _op in _ops:
+        _SIM[_op[0]] = _kind
+_OP = {name: getattr(pickle, name)[0] for name in (
+    "LONG_BINPUT", "BINGET", "BININT1", "MARK", "TUPLE", "REDUCE", "NEWOBJ", "EMPTY_TUPLE", "TUPLE1", "BINUNICODE",
+    "BINPERSID", "NEWFALSE", "LONG_BINGET", "BINPUT", "TUPLE2")}
+
+
+_SIZE_BITS = 40
+_SIZE = (1 << _SIZE_BITS) - 1
+
+
+def _scan(data: bytes, limit: int) -> tuple:
+    """(plain, tuples): ``plain`` as :func:`_torch_opcodes_only` says; ``tuples``: None when
+    every tuple the pickle builds is one a hash or repr walks in proportion to the file, up
+    to its first opcode torch's loader does not read (where that loader stops); else what
+    is wrong with the first that is not.
+
+    Hashing a tuple (a dict key, a set element, what Counter counts) recurses in C with no
+    recursion check and no memo: a 200,000-deep tuple in a 400 KB pickle crashes the process
+    (SIGSEGV), and ``a = (a, a)`` sixty times (a 1 KB pickle, sharing through the memo)
+    hashes 2**60 items, in torch's own loader as in the C unpickler. So before either runs
+    the pickle, the tuples are followed on a stack of numbers, one per object on the
+    unpickler's stack: how deep it nests in tuples (high bits) and how many items a walk of
+    it meets, shared ones each time (low bits). A call's result counts as its arguments;
+    lists and dicts as one item (a tuple holding one is not hashable, and fails there). A
+    malformed pickle ends the scan as not plain; its unpickler says what is wrong. One loop
+    for both answers (the common opcodes first): about 2.5 times the opcode scan alone."""
+    o = _OP
+    LBP, BG, BI1, MARK, TUP, RED, NEWOBJ, ETUP, TUP1, BU, PID, NF, LBG, BP = (
+        o["LONG_BINPUT"], o["BINGET"], o["BININT1"], o["MARK"], o["TUPLE"], o["REDUCE"], o["NEWOBJ"],
+        o["EMPTY_TUPLE"], o["TUPLE1"], o["BINUNICODE"], o["BINPERSID"], o["NEWFALSE"], o["LONG_BINGET"], o["BINPUT"])
+    arg, sim, n, find, u32 = _ARG_LEN, _SIM, len(data), data.find, _U32
+    bits, size = _SIZE_BITS, _SIZE
+    most = max(1 << 20, 16 * n)  # items a walk of one tuple may meet: what the file itself holds, and then some
+    stack: list = []
+    marks: list = []
+    memo: dict = {}
+    push, pop, mark = stack.append, stack.pop, marks.append
+    plain = True
+    i = 0
+
+    def tuple_of(items) -> Optional[int]:  # its number, or None past the bounds
+        d = max((v >> bits for v in items), default=0) + 1
+        m = sum((v & size) or 1 for v in items) + 1
+        return None if d > limit or m > most else d << bits | m
+
+    def why(items) -> str:
+        d = max((v >> bits for v in items), default=0) + 1
+        return (f"tuples nested {d} deep" if d > limit else
+                f"a tuple that a hash or repr walks through more than {most} items (shared tuples inside it)")
+
+    try:
+        while True:
+            op = data[i]
+            if op == LBP:
+                idx = u32(data, i + 1)[0]
+                if idx >= n:  # the C unpickler would grow its memo array to twice that
+                    plain = False
+                memo[idx] = stack[-1]
+                i += 5
+            elif op == BG:
+                push(memo.get(data[i + 1], 0))
+                i += 2
+            elif op == BI1:
+                push(0)
+                i += 2
+            elif op == MARK:
+                mark(len(stack))
+                i += 1
+            elif op == TUP:
+                at = marks.pop()
+                items = stack[at:]
+                if not any(items):  # scalars only: the common one
+                    v = 1 << bits | (len(items) + 1)
+                else:
+                    v = tuple_of(items)
+                    if v is None:
+                        return plain, why(items)
+                del stack[at:]
+                push(v)
+                i += 1
+            elif op == RED or op == NEWOBJ:
+                d = pop()
+                stack[-1] = d
+                i += 1
+            elif op == ETUP:
+                push(1 << bits | 1)
+                i += 1
+            elif op == TUP1:
+                v = stack[-1]
+                if not v:
+                    stack[-1] = 1 << bits | 2  # the common one: a shape of one dimension
+                else:
+                    v = tuple_of([v])
+                    if v is None:
+                        return plain, why(stack[-1:])
+                    stack[-1] = v
+                i += 1
+            elif op == BU:
+                push(0)
+                i += 5 + u32(data, i + 1)[0]
+            elif op == PID:
+                stack[-1] = 0
+                i += 1
+            elif op == NF:
+                push(0)
+                i += 1
+            elif op == LBG:
+                push(memo.get(u32(data, i + 1)[0], 0))
+                i += 5
+            else:
+                kind = sim[op]
+                if kind == _PUSH0:
+                    push(0)
+                elif kind == _TUPLE_N:
+                    k = 2 if op == o["TUPLE2"] else 3
+                    if len(stack) < k:
+                        return False, None
+                    v = tuple_of(stack[-k:])
+                    if v is None:
+                        return plain, why(stack[-k:])
+                    del stack[-k:]
+                    push(v)
+                elif kind == _POP1:
+                    pop()
+                elif kind == _POP2:
+                    if len(stack) < 2:
+                        return False, None
+                    del stack[-2:]
+                elif kind == _POP_MARK:
+                    del stack[marks.pop():]
+                elif kind == _NOP:
+                    if op == BP:
+                        memo[data[i + 1]] = stack[-1]
+                else:  # STOP, or an opcode torch's loader refuses: it reads no further
+                    return plain and op == pickle.STOP[0], None
+                k = arg[op]
+                if k >= 0:
+                    i += 1 + k
+                elif k == _STR4:
+                    i += 5 + u32(data, i + 1)[0]
+                elif k == _STR1:
+                    i += 2 + data[i + 1]
+                else:  # GLOBAL: two lines; each find starts past the last, so i only grows
+                    j = find(b"\n", i + 1)
+                    j = find(b"\n", j + 1) if j > 0 else -1
+                    if j < 0:
+                        return False, None
+                    i = j + 1
+    except (IndexError, struct.error, ValueError):  # truncated, or the stack runs out: malformed
+        return False, None
+
+
 _LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.dtype))
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C type, whose attributes nothing can set
 
@@ -124,7 +306,53 @@ class _NotPlain(Exception):
     """Something this pass does not build; torch's loader reads the file instead."""
 
 
-class _Storage:
+class _TooDeep(Exception):
+    """Containers nested past MAX_DEPTH; ``args[0]`` collects the keys on the way out."""
+
+
+def too_deep_error(path: str, keys: list, where: Optional[str] = None) -> CheckpointLayoutError:
+    """(local) The refusal of a header that nests past MAX_DEPTH; ``keys`` lead there."""
+    if where is None:
+        where = "under " + (".".join(map(str, keys[:6])) + (" ..." if len(keys) > 6 else "") or "the top level")
+    return CheckpointLayoutError(
+        f"{path}: the checkpoint's header nests containers more than {MAX_DEPTH} deep ({where}); a "
+        "metaseq/fairseq checkpoint nests about 10 deep. The file was crafted or damaged, and nothing from it "
+        "was used; re-save it with torch.save from a trusted copy.")
+
+
+def _in_pass() -> bool:
+    return getattr(_MADE, "objs", None) is not None
+
+
+class _Record:
+    """What the pass puts where torch's loader puts a real object (a tensor, a storage, a
+    global). The pickle can hand one to an allowlisted callable (``str``, ``bool``,
+    ``set``, ``Counter``, a dict key): what the callable made of our record would differ
+    from what it makes of torch's object, so while the pass runs every such use (repr,
+    hash, truth value) stops it and torch's loader reads the file instead."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        if _in_pass():
+            raise _NotPlain(f"repr() of a {type(self).__name__.lstrip('_').lower()}")
+        return self._describe()
+
+    def _describe(self) -> str:
+        return object.__repr__(self)
+
+    def __hash__(self) -> int:
+        if _in_pass():
+            raise _NotPlain(f"a {type(self).__name__.lstrip('_').lower()} as a key")
+        return object.__hash__(self)
+
+    def __bool__(self) -> bool:
+        if _in_pass():
+            raise _NotPlain(f"bool() of a {type(self).__name__.lstrip('_').lower()}")
+        return True
+
+
+class _Storage(_Record):
     """One storage the pickle names (its persistent id), checked against its record; the
     meta storage is made when a tensor on it is first built."""
 
@@ -150,11 +378,11 @@ class _Storage:
     def __setstate__(self, state):  # a BUILD aimed at it would overwrite what was checked
         raise _NotPlain("BUILD on a storage")
 
-    def __repr__(self) -> str:
+    def _describe(self) -> str:
         return f"<storage data/{self.key}: {self.numel} {self.dtype}>"
 
 
-class _Stub:
+class _Stub(_Record):
     """A tensor as the pickle describes it (torch's ``_rebuild_tensor_v2`` arguments)."""
 
     __slots__ = ("storage", "offset", "size", "stride", "requires_grad", "param", "wrapped", "_tensor")
@@ -180,7 +408,7 @@ class _Stub:
     def __setstate__(self, state):  # BUILD would set slots after the builder's checks
         raise _NotPlain("BUILD on a tensor")
 
-    def __repr__(self) -> str:
+    def _describe(self) -> str:
         return f"<tensor {self.size} on {self.storage!r}, not built>"
 
 
@@ -197,7 +425,7 @@ def _ints(xs: Any) -> bool:
 # loader refuses BUILD on anything but allowlisted instances). So find_class hands out
 # stand-ins that do what the pickle may ask of a global (be called, be NEWOBJ's class, name
 # a storage's dtype) and refuse BUILD.
-class _Call:
+class _Call(_Record):
     """An allowlisted function (or one of our builders), callable only."""
 
     __slots__ = ("fn",)
@@ -225,7 +453,7 @@ class _Builder(_Call):
         return self.fn(*args, **kwargs)
 
 
-class _StorageClass:
+class _StorageClass(_Record):
     """torch's ``FloatStorage`` etc. in a persistent id: the dtype it names."""
 
     __slots__ = ("dtype",)
@@ -427,52 +655,113 @@ def _leaves_only(values) -> bool:
     return all(map(_IS_LEAF, map(type, values)))
 
 
-def _resolve(obj: Any, build: bool, seen: dict, reached: set) -> Any:
+def _key_height(k: Any, depth: int) -> int:
+    """How deep a dict key or set element nests (0 for a scalar), after checking that it
+    is what torch's loader would have put there: a global stand-in (a guarded class) as a
+    key is not the class torch's loader gives. Stubs and the other records never get here:
+    hashing one stops the pass."""
+    t = type(k)
+    if t is tuple or t is torch.Size:
+        if depth > MAX_DEPTH:
+            raise _TooDeep([])
+        return 1 + max((_key_height(v, depth + 1) for v in k if type(v) not in _LEAVES), default=0)
+    if t in _OPAQUE or (t is type and k in _INERT):
+        return 0
+    raise _NotPlain(f"a {t.__name__} as a key")  # a guarded class: the real one in torch's loader
+
+
+def _resolve(obj: Any, build: bool, seen: dict, reached: set, depth: int = 1, heights: Optional[dict] = None) -> Any:
     """``obj`` with every stub in dicts, lists, tuples and Namespaces (what the old header
     walk entered) replaced by its meta tensor (``build``) or only counted (``reached``);
-    dicts, lists and Namespaces change in place, tuples are rebuilt."""
+    dicts, lists and Namespaces change in place, tuples are rebuilt. Each container is
+    walked once however often it is shared (``seen``); ``heights`` keeps how deep each one
+    nests, so that a shared container met again at ``depth`` still counts towards
+    MAX_DEPTH (chains of shared containers nest as deep as their sum, and every later
+    walk that follows them recurses that deep)."""
+    if heights is None:
+        heights = {}
     t = type(obj)
     if t is _Stub:
         reached.add(id(obj))
         return obj.tensor() if build else obj
     if t is _Storage:
         raise _NotPlain("a storage outside a tensor")
+    if t in _ENTERED or t is tuple or t is torch.Size:
+        done = seen.get(id(obj))
+        if done is not None:
+            h = heights.get(id(obj))  # None while it is walked: a cycle, no deeper for a memoizing walk
+            if h is not None and depth + h - 1 > MAX_DEPTH:
+                raise _TooDeep([])
+            if done is _IN_PROGRESS:
+                raise _NotPlain("a tuple that holds itself")
+            return done
+        if depth > MAX_DEPTH:
+            raise _TooDeep([])
     if t in _ENTERED:
-        if id(obj) in seen:
-            return obj
         seen[id(obj)] = obj
         d = vars(obj) if t is argparse.Namespace else obj
-        if _leaves_only(dict.values(d) if isinstance(d, dict) else d):
-            return obj
-        items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
-        for k, v in items:
-            tv = type(v)
-            if tv in _LEAVES or ((tv is list or tv is tuple) and _leaves_only(v)):
-                continue
-            new = _resolve(v, build, seen, reached)
-            if new is not v:
-                d[k] = new  # a value replaced, no key added: iterating on is safe
+        sub = 0
+        if isinstance(d, dict):
+            if not _leaves_only(dict.keys(d)):
+                sub = max(_key_height(k, depth + 1) for k in dict.keys(d))
+            values = dict.values(d)
+        else:
+            values = d
+        if not _leaves_only(values):
+            items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
+            for k, v in items:
+                tv = type(v)
+                if tv in _LEAVES:
+                    continue
+                if (tv is list or tv is tuple) and _leaves_only(v):
+                    sub = max(sub, 1)
+                    continue
+                try:
+                    new = _resolve(v, build, seen, reached, depth + 1, heights)
+                except _TooDeep as e:
+                    e.args[0].insert(0, k)
+                    raise
+                sub = max(sub, heights.get(id(v), 0))
+                if new is not v:
+                    d[k] = new  # a value replaced, no key added: iterating on is safe
+        if depth + sub > MAX_DEPTH:
+            raise _TooDeep([])
+        heights[id(obj)] = 1 + sub
         return obj
     if t is tuple or t is torch.Size:
         if _leaves_only(obj):
             return obj  # the common tuple: a shape
-        done = seen.get(id(obj))
-        if done is _IN_PROGRESS:
-            raise _NotPlain("a tuple that holds itself")
-        if done is not None:
-            return done
         seen[id(obj)] = _IN_PROGRESS
-        new = tuple(v if type(v) in _LEAVES else _resolve(v, build, seen, reached) for v in obj)
+        new, sub = [], 0
+        for i, v in enumerate(obj):
+            if type(v) in _LEAVES:
+                new.append(v)
+                continue
+            try:
+                new.append(_resolve(v, build, seen, reached, depth + 1, heights))
+            except _TooDeep as e:
+                e.args[0].insert(0, i)
+                raise
+            sub = max(sub, heights.get(id(v), 0))
+        new = tuple(new)
         if all(a is b for a, b in zip(new, obj)):
             new = obj
         elif t is not tuple:  # a torch.Size holding a tensor: not rebuilt here
             raise _NotPlain(f"a tensor inside a {t.__name__}")
+        if depth + sub > MAX_DEPTH:
+            raise _TooDeep([])
         seen[id(obj)] = new
+        heights[id(obj)] = 1 + sub
         return new
     if t is _Call or t is _Builder or t is _StorageClass or id(obj) in _GUARDS:
         raise _NotPlain("a global used as a value")  # where torch's loader gives the real one
+    if t is set:  # not entered for stubs (hashing one stopped the pass); its elements are keys
+        if not _leaves_only(obj) and id(obj) not in seen:
+            seen[id(obj)] = obj
+            heights[id(obj)] = 1 + max(_key_height(k, depth + 1) for k in obj)
+        return obj
     if t in _OPAQUE or (t is type and obj in _INERT):
-        return obj  # not entered (sets, OrderedDict attributes): a stub in one is found below
+        return obj  # not entered (OrderedDict attributes): a stub in one is found below
     # nothing else can come out of the pass (see _INERT); a class added to it without its
     # objects being vetted here goes to torch's loader rather than through unchecked
     raise _NotPlain(f"a {t.__name__} in the header")
@@ -556,8 +845,17 @@ _ENTERED = frozenset((dict, collections.OrderedDict, collections.Counter, list, 
 def header(path: str, index: Any, data: bytes) -> tuple:
     """(local) (the header, None) for a plain torch.save pickle whose checks pass, each
     storage carrying ``_oneload_offset``; (None, what is wrong) when a check fails; (None,
-    None) when this pass cannot read the file (then torch's loader does)."""
-    if not _torch_opcodes_only(data):
+    None) when this pass cannot read the file (then torch's loader does). Raises
+    CheckpointLayoutError for a pickle that neither this pass nor torch's loader may run (its
+    tuples nest past MAX_DEPTH: hashing one would crash the process)."""
+    plain, bad_tuple = _scan(data, MAX_DEPTH)
+    if bad_tuple:
+        raise CheckpointLayoutError(
+            f"{path}: the checkpoint's pickle builds {bad_tuple}, found before unpickling it: hashing or printing "
+            f"such a tuple crashes the process or never ends, in torch's own loader too. A checkpoint's tuples "
+            f"(shapes, arguments) nest a few deep; expected at most {MAX_DEPTH}. The file was crafted or damaged, "
+            "and nothing from it was used; re-save it with torch.save from a trusted copy.")
+    if not plain:
         return None, None
     _MADE.objs = made = []
     try:
@@ -594,6 +892,7 @@ def header(path: str, index: Any, data: bytes) -> tuple:
     try:
         seen: dict = {}
         reached: set = set()
+        heights: dict = {}
         deferred = None
         # only a plain dict (an OrderedDict stays one) that no other top-level key holds too
         # (that key would be left holding its tensor records)
@@ -601,15 +900,25 @@ def header(path: str, index: Any, data: bytes) -> tuple:
                 v is obj[_OPTIMIZER_KEY] for v in obj.values()) == 1:
             deferred = obj[_OPTIMIZER_KEY]
             seen[id(obj)] = obj
-            for k, v in obj.items():
-                if v is not deferred and type(v) not in _LEAVES:
-                    new = _resolve(v, True, seen, reached)
-                    if new is not v:
-                        obj[k] = new
-            _resolve(deferred, False, seen, reached)  # counted; built on first use
+            for k in obj:
+                if type(k) not in _LEAVES:
+                    _key_height(k, 2)
+            # the rest first: what it shares with the optimizer state is built there
+            for k, v in [*((k, v) for k, v in obj.items() if v is not deferred), (_OPTIMIZER_KEY, deferred)]:
+                if type(v) in _LEAVES:
+                    continue
+                try:
+                    new = _resolve(v, v is not deferred, seen, reached, 2, heights)  # counted; built on first use
+                except _TooDeep as e:
+                    e.args[0].insert(0, k)
+                    raise
+                if new is not v:
+                    obj[k] = new
             obj[_OPTIMIZER_KEY] = _Deferred(deferred)
         else:
-            obj = _resolve(obj, True, seen, reached)
+            obj = _resolve(obj, True, seen, reached, 1, heights)
+    except _TooDeep as e:
+        raise too_deep_error(path, e.args[0]) from None
     except (_NotPlain, RecursionError):
         return None, None
     if not {id(s) for s in u.stubs if not s.wrapped} <= reached:

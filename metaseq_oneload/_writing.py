@@ -26,6 +26,19 @@ existence check to the last rename, and without ``overwrite`` each final name is
 hard link, which fails if the name exists, so not even a writer outside this package is
 replaced. Errors of the destination (permissions, a read-only or full file system) are
 :class:`ConversionError` saying what to do.
+
+Nothing planted at a name we write reaches a user's file. Every file is created with
+``O_CREAT | O_EXCL | O_NOFOLLOW`` (folders with ``mkdir``); the only existing files a writer
+opens are the empty ones :func:`make_temp` created in this process (same inode, one name),
+and the lock a dead conversion left (a regular file of one name, locked, then removed and
+created afresh). A link, a hard link, a FIFO or a device at such a name is refused untouched
+(opened with ``O_NONBLOCK`` and checked with ``fstat``, so a FIFO cannot block us). Small
+files (the index beside a set, the commit journal) are written by :func:`replace_file`: a
+temporary name, then a rename; a failure, a full disk included, leaves no side file.
+
+A commit renames its files one at a time; its journal (``.PREFIX.oneload-commit``) is on
+disk from before the first rename to after the last, so a kill in between leaves a set that
+discovery refuses with what happened and how to recover (:func:`interrupted_commit`).
 """
 
 from __future__ import annotations
@@ -39,11 +52,14 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import socket
+import stat
 import struct
 import sys
 import threading
+import time
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -69,6 +85,8 @@ __all__ = [
     "remove_stale_temps",
     "source_clash",
     "destination_error",
+    "replace_file",
+    "interrupted_commit",
 ]
 
 _DATA_RECORD = re.compile(r"/data/\d+$")
@@ -197,19 +215,29 @@ class _Sink:
 # --------------------------------------------------------------------------- torch zip
 
 
-def _walk(obj: Any, path: tuple = ()) -> Iterator[tuple]:
-    """(path, tensor) for every tensor in a checkpoint object, in a fixed order."""
+def _walk(obj: Any, path: tuple = (), seen: Optional[set] = None) -> Iterator[tuple]:
+    """(path, tensor) for every tensor in a checkpoint object, in a fixed order. A container
+    shared along many paths is walked once (a cfg of shared lists has 2**60 paths in a few
+    hundred bytes), and an OmegaConf container's values are read raw: iterating one
+    resolves the file's interpolations."""
+    from ._layout import raw_get, raw_keys  # (cfg reading lives there)
+
     if torch.is_tensor(obj):
         yield path, obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, path + (i,))
-    elif isinstance(obj, argparse.Namespace):
-        for k, v in vars(obj).items():
-            yield from _walk(v, path + (k,))
+        return
+    if seen is None:
+        seen = set()
+    if type(obj).__module__.startswith("omegaconf."):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            for k in raw_keys(obj) if hasattr(obj, "keys") else range(len(getattr(obj, "_content", None) or ())):
+                yield from _walk(raw_get(obj, k), path + (k,), seen)
+    elif isinstance(obj, (Mapping, list, tuple, argparse.Namespace)) and id(obj) not in seen:
+        seen.add(id(obj))
+        items = (obj.items() if isinstance(obj, Mapping) else vars(obj).items()
+                 if isinstance(obj, argparse.Namespace) else enumerate(obj))
+        for k, v in items:
+            yield from _walk(v, path + (k,), seen)
 
 
 def _data_records(file: Any) -> tuple:
@@ -244,10 +272,62 @@ def _patch_crcs(fd: int, path: str, infos: Sequence, start_dir: int, crcs: Mappi
         raise ConversionError(f"{path}: found {patched} of {len(crcs)} tensor records in the zip directory.")
 
 
+# (st_dev, st_ino) -> path of every empty file make_temp created in this process: the only
+# existing files a writer here may open (and empty) for writing.
+_CREATED: dict = {}
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def _kind_of(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return what
+    return "a file"
+
+
+def _not_ours(path: str, found: str, role: str) -> "OutputExistsError":
+    return OutputExistsError(
+        f"{path}: found {found} at the name of {role}, where only a file this package creates itself belongs; "
+        f"nothing was written to it or through it. It is not ours to remove: check what it is, remove it "
+        f"(rm {shlex.quote(path)}) and run again.")
+
+
 def _open_for_writing(path: str) -> int:
-    """A descriptor for writing ``path`` from its start: created if missing, truncated,
-    never through a symbolic link (a link planted at the name is an error, not a redirect)."""
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    """A descriptor for writing ``path`` from its start: a new file, created exclusively, or
+    the empty file :func:`make_temp` created in this process. Never through a link, never a
+    FIFO or device (opened without blocking, then checked), never a file with another name
+    (a planted hard link would carry our bytes into a user's file), never truncating
+    anything this process did not create."""
+    flags = os.O_RDWR | _NOFOLLOW | _CLOEXEC | _NONBLOCK
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+        st = os.fstat(fd)
+        _CREATED[(st.st_dev, st.st_ino)] = os.path.abspath(path)  # ours: a writer may start it over
+        return fd
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _not_ours(path, "a symbolic link", "an output's temporary file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_ours(path, _kind_of(st.st_mode), "an output's temporary file")
+        if st.st_nlink != 1 or _CREATED.get((st.st_dev, st.st_ino)) != os.path.abspath(path):
+            raise _not_ours(path, f"a file this process did not create ({st.st_nlink} name(s), {st.st_size} bytes)",
+                            "an output's temporary file")
+        os.ftruncate(fd, 0)  # ours (make_temp's): empty it for a writer that starts over
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_back_header(f, trust_pickle: bool) -> Any:
@@ -370,7 +450,8 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str
 
 
 def write_json(path: str, obj: Any) -> None:
-    """(local) A small JSON file, fsync'd (the sidecar of a safetensors file)."""
+    """(local) A small JSON file, fsync'd (the sidecar of a safetensors file); ``path`` as
+    for :func:`write_torch`."""
     data = json.dumps(obj, indent=1, sort_keys=False).encode()
     fd = _open_for_writing(path)
     try:
@@ -378,6 +459,47 @@ def write_json(path: str, obj: Any) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_file(final: str, data: bytes, *, what: str = "file") -> None:
+    """(local) Put ``data`` at ``final`` all at once: written under an exclusively created
+    temporary name (:func:`make_temp`), fsync'd, then renamed over ``final`` (a rename
+    replaces a link or a hard link planted there; it never writes into what it pointed at).
+    On any failure, a full disk included, the temporary file is removed and nothing at
+    ``final`` changed.
+
+    Raises:
+        ConversionError: the folder refused (what failed and what to do).
+    """
+    remove_stale_temps(final)
+    try:
+        tmp = make_temp(final)
+    except OSError as e:
+        raise destination_error(final, e, f"cannot create the temporary file of the {what}") from e
+    try:
+        fd = _open_for_writing(tmp)
+        try:
+            _pwrite_all(fd, memoryview(data), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, ConversionError):
+            raise destination_error(final, e, f"cannot write the {what}") from e
+        raise
+    finally:
+        _forget(tmp)
+
+
+def _forget(path: str) -> None:
+    """``path`` (a temporary file of ours) is renamed or removed: an inode number the file
+    system may give to someone else's file later is no longer one we may open."""
+    for ident, p in list(_CREATED.items()):
+        if p == path:
+            _CREATED.pop(ident, None)
 
 
 def progress_bar(enabled: Any, total_bytes: int, total_tensors: int, desc: str) -> tuple:
@@ -444,7 +566,12 @@ def make_temp(final: str, *, folder: bool = False, kind: str = "tmp") -> str:
             if folder:
                 os.mkdir(path, 0o777)
             else:
-                os.close(os.open(path, flags, 0o666))
+                fd = os.open(path, flags | _CLOEXEC, 0o666)
+                try:
+                    st = os.fstat(fd)
+                    _CREATED[(st.st_dev, st.st_ino)] = path
+                finally:
+                    os.close(fd)
             return path
         except FileExistsError:
             continue
@@ -551,6 +678,72 @@ def destination_error(path: str, e: OSError, doing: str = "cannot write") -> "Co
     return ConversionError(f"{path}: {doing} ({e.strerror or e}); {hint}. Nothing was written under a final name.")
 
 
+_JOURNAL_FORMAT = "metaseq-oneload commit"
+_JOURNAL_MAX = 1 << 20
+
+
+def journal_path(directory: str, prefix: str) -> str:
+    """Where :meth:`OutputSet.commit` of the set ``prefix`` keeps its journal."""
+    return os.path.join(directory, f".{prefix}{_TAG}commit")
+
+
+def interrupted_commit(directory: str, prefix: str) -> Optional[str]:
+    """(local) Why the set ``prefix`` in ``directory`` must not be loaded because a commit
+    of it was cut short (its journal is there and not every name holds the file it put
+    there), or None. Reads the journal and stats the names; opens nothing else."""
+    path = journal_path(directory, prefix)
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return (f"{path}: a conversion's commit journal is here but cannot be read ({e.strerror or e}); a "
+                "conversion to these names may have been interrupted while it renamed its files. Run it again "
+                f"with overwrite=True (CLI: --overwrite), or remove {os.path.basename(path)} if you know the set "
+                "is whole.")
+    try:
+        st = os.fstat(fd)
+        raw = os.read(fd, _JOURNAL_MAX + 1) if stat.S_ISREG(st.st_mode) else b""
+    finally:
+        os.close(fd)
+    try:
+        body = json.loads(raw) if len(raw) <= _JOURNAL_MAX else None
+        if not isinstance(body, dict) or body.get("format") != _JOURNAL_FORMAT:
+            raise ValueError("not a commit journal")
+        files = [(str(n), int(dev), int(ino)) for n, dev, ino in body["files"]]
+        replaces = [str(n) for n in body.get("replaces", ())]
+        pid, host = int(body.get("pid", 0)), str(body.get("host", "?"))
+    except (ValueError, TypeError, KeyError) as e:
+        return (f"{path}: a conversion's commit journal is here but is not one this package wrote ({e}); a "
+                "conversion to these names may have been interrupted while it renamed its files. Run it again "
+                f"with overwrite=True (CLI: --overwrite), or remove {os.path.basename(path)} if you know the set "
+                "is whole.")
+    new, old = [], []
+    for name, dev, ino in files:
+        try:
+            s = os.stat(os.path.join(directory, name), follow_symlinks=False)
+            (new if (s.st_dev, s.st_ino) == (dev, ino) else old).append(name)
+        except OSError:
+            old.append(name)
+    left = [n for n in replaces if os.path.lexists(os.path.join(directory, n))]
+    if not new or (not old and not left):  # no name changed yet, or every one did: not a mix
+        return None
+    who = f"pid {pid} on {host}"
+    if host == _host() and pid and pid != os.getpid() and _pid_alive(pid):
+        return (f"{directory}: a conversion ({who}) is renaming the files of {prefix} into place right now; "
+                "wait for it to finish, then load again.")
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(body.get("started", 0) or 0)))
+    return (f"{directory}: a conversion to {prefix} ({who}, started {started}) was interrupted while it "
+            f"renamed its finished files into place: {len(new)} name(s) hold the new files "
+            f"({cap_list(new, 4) if new else 'none'}), {len(old)} still hold the older set's or are missing "
+            f"({cap_list(old, 4) if old else 'none'})"
+            + (f", and {len(left)} file(s) of the older set it replaces are still there ({cap_list(left, 4)})"
+               if left else "")
+            + ". Loading these files together would mix two sets. Run the same conversion again with "
+            "overwrite=True (CLI: --overwrite) to complete it, or remove the files of "
+            f"{prefix} and {os.path.basename(path)}.")
+
+
 # Errors of link() that mean "this file system has no hard links", not "the name exists".
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 
@@ -578,6 +771,7 @@ class OutputSet:
         self.lock_path = os.path.abspath(lock or self.finals[0])
         directory, base = os.path.split(self.lock_path)
         self.lock_path = os.path.join(directory, f".{base}{_TAG}lock")
+        self.journal_path = journal_path(directory, base)
         self._lock_fd: Optional[int] = None
         self.removed: list = []
         self.notes: list = []
@@ -604,10 +798,13 @@ class OutputSet:
             existing = [f for f in self.finals + self.replaces if os.path.lexists(f)]
             if existing and not self.overwrite:
                 names = cap_list(existing, 4, fmt=os.path.basename)
+                cut = os.path.lexists(self.journal_path)
                 raise OutputExistsError(
                     f"{os.path.dirname(existing[0])}: {len(existing)} destination file(s) exist ({names}); "
                     "nothing was written. Pass overwrite=True (CLI: --overwrite) to replace them, or choose "
                     "another destination prefix."
+                    + (" (An earlier conversion to these names was interrupted while it renamed its files: "
+                       "overwrite=True completes it.)" if cut else "")
                 )
         except BaseException:
             self.release()
@@ -615,36 +812,71 @@ class OutputSet:
 
     def _acquire(self) -> None:
         """Take the destination's lock, or raise :class:`OutputExistsError` naming its holder.
-        A file system without ``flock`` leaves the hard-link commit as the only guard."""
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        A file system without ``flock`` leaves the hard-link commit as the only guard.
+
+        The lock file is created exclusively and never followed: what a dead conversion left
+        there (a regular file of one name) is locked, then removed and created afresh, so
+        this process writes only into a file it created; anything else at the name (a link,
+        a hard link to a user's file, a FIFO that would block an open) is refused, untouched."""
+        flags = os.O_RDWR | _NOFOLLOW | _CLOEXEC | _NONBLOCK
+        where = os.path.dirname(self.lock_path)
+        role = "this destination's lock"
         while True:
+            created = True
             try:
-                fd = os.open(self.lock_path, flags, 0o666)
+                fd = os.open(self.lock_path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                created = False
+                try:
+                    fd = os.open(self.lock_path, flags)
+                except FileNotFoundError:  # its holder let it go meanwhile
+                    continue
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise _not_ours(self.lock_path, "a symbolic link", role) from None
+                    raise destination_error(where, e, f"cannot open the lock {os.path.basename(self.lock_path)}") from e
             except OSError as e:
-                raise destination_error(os.path.dirname(self.lock_path), e, "cannot create files in the destination "
+                raise destination_error(where, e, "cannot create files in the destination "
                                         f"folder (the lock {os.path.basename(self.lock_path)})") from e
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise _not_ours(self.lock_path, _kind_of(st.st_mode), role)
+                if st.st_nlink != 1:
+                    raise _not_ours(self.lock_path, f"a file with {st.st_nlink} names (a hard link)", role)
+            except BaseException:
+                os.close(fd)
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise OutputExistsError(
-                    f"{os.path.dirname(self.lock_path)}: another conversion ({holder}) is writing "
+                    f"{where}: another conversion ({holder}) is writing "
                     f"{cap_list(self.finals, 4, fmt=os.path.basename)} right now; nothing was written. Wait for it to finish, or choose "
                     "another destination prefix.") from None
             except OSError as e:  # no flock here (some network file systems)
                 os.close(fd)
-                self.notes.append(f"{os.path.dirname(self.lock_path)}: no file locks on this file system "
+                if created:
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.lock_path)
+                self.notes.append(f"{where}: no file locks on this file system "
                                   f"({e.strerror or e}); only the final renames are exclusive")
                 return
             # The holder before us may have removed the file after we opened it: lock the file
             # that is at the name, or try again.
             try:
-                same = os.stat(self.lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                same = os.path.samestat(os.stat(self.lock_path, follow_symlinks=False), st)
             except FileNotFoundError:
                 same = False
+            if same and not created:
+                # A dead conversion's lock, now held by us: take its name away (nobody can
+                # hold it any more) and create our own, which the next loop locks.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.lock_path)
+                same = False
             if same:
-                os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
                 self._lock_fd = fd
                 return
@@ -689,14 +921,23 @@ class OutputSet:
         """Move every temporary file to its final name, then remove the replaced files of an
         older set (``replaces``), then fsync the folders. Without ``overwrite`` a name that
         appeared meanwhile (another writer) is left alone: the names this set already took
-        are given back and :class:`OutputExistsError` raised."""
+        are given back and :class:`OutputExistsError` raised.
+
+        The renames are one at a time, so a kill between two of them leaves some names with
+        the new files and others with the older set's. A journal beside the set
+        (``.PREFIX.oneload-commit``, :func:`interrupted_commit`) is written before the first
+        rename and removed after the last: while it is there, discovery refuses the set and
+        says which files are new and how to recover (run the conversion again with
+        ``overwrite``)."""
         missing = [f for f in self.finals if f not in self.temps or not os.path.exists(self.temps[f])]
         if missing:
             raise ConversionError(f"{missing[0]}: a finished output is missing before the rename; nothing was renamed.")
+        stats = {f: os.stat(self.temps[f]) for f in self.finals}
+        self._write_journal(stats)
         taken: list = []  # (final, the file's stat): names this set holds
         try:
             for f in self.finals:
-                st = os.stat(self.temps[f])
+                st = stats[f]
                 if self.overwrite:
                     os.replace(self.temps[f], f)
                 else:
@@ -708,12 +949,22 @@ class OutputSet:
                     with contextlib.suppress(OSError):
                         if os.path.samestat(os.stat(f, follow_symlinks=False), st):
                             os.unlink(f)
+                self._drop_journal()
+            elif taken:  # names now mix the two sets: the journal stays and says so to every load
+                raise ConversionError(
+                    f"{f}: cannot move the finished file to its name ({e}) after {len(taken)} of "
+                    f"{len(self.finals)} files were ({cap_list(taken, 4, fmt=lambda t: os.path.basename(t[0]))}): "
+                    "these names now hold files of two different sets, and loading them is refused. Run the "
+                    "same conversion again with overwrite=True (CLI: --overwrite) to complete it.") from e
+            else:
+                self._drop_journal()
             if isinstance(e, OSError) and not isinstance(e, ConversionError):
                 raise destination_error(f, e, "cannot move the finished file to its name") from e
             raise
         for f, _ in taken:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.temps[f])
+            _forget(self.temps[f])
         self.committed = True
         for f in self.replaces:
             try:
@@ -721,7 +972,11 @@ class OutputSet:
                 self.removed.append(f)
             except FileNotFoundError:
                 pass
-        for d in sorted({os.path.dirname(f) for f in self.finals}):
+        self._fsync_folders()
+        self._drop_journal()
+
+    def _fsync_folders(self) -> None:
+        for d in sorted({os.path.dirname(f) for f in self.finals} | {os.path.dirname(self.journal_path)}):
             try:
                 dfd = os.open(d, os.O_RDONLY)
             except OSError:
@@ -733,6 +988,21 @@ class OutputSet:
                     raise
             finally:
                 os.close(dfd)
+
+    def _write_journal(self, stats: Mapping[str, os.stat_result]) -> None:
+        """What :func:`interrupted_commit` reads: each final name and the file (device,
+        inode) that the commit puts there, and the older files it removes afterwards."""
+        base = os.path.dirname(self.journal_path)
+        body = {"format": _JOURNAL_FORMAT, "pid": os.getpid(), "host": _host(), "started": time.time(),
+                "files": [[os.path.relpath(f, base), st.st_dev, st.st_ino] for f, st in stats.items()],
+                "replaces": [os.path.relpath(f, base) for f in self.replaces]}
+        replace_file(self.journal_path, json.dumps(body).encode(), what="commit journal")
+        self._fsync_folders()  # the journal is on disk before any name changes
+
+    def _drop_journal(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.journal_path)
+        self._fsync_folders()
 
     @staticmethod
     def _take(tmp: str, final: str) -> None:
@@ -766,5 +1036,6 @@ class OutputSet:
                     os.unlink(t)
                 except FileNotFoundError:
                     pass
+                _forget(t)
         finally:
             self.release()

@@ -4,6 +4,11 @@ Every subcommand prints a readable table, or one JSON object with ``--json``. Er
 one clear message and exit non-zero; ``--debug`` adds the traceback. Warnings go to
 stderr, so that stdout stays the report (or the JSON) alone.
 
+Exit codes: 0 done (verify: the checkpoints match); 1 verify: they differ; 2 refused (a
+:class:`~metaseq_oneload.OneloadError`, a bad argument, a file the system would not let us
+read or write), one paragraph on stderr, no traceback; 3 an internal error (a bug: the
+traceback, and a line saying so); 130 interrupted; 141 stdout closed early.
+
 The parser, ``--help`` and ``--version`` import nothing heavy: every subcommand's flags are
 declared here, and the modules that import torch are imported only when a command runs.
 """
@@ -15,7 +20,7 @@ import sys
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from . import __version__
-from ._errors import OneloadError
+from ._errors import OneloadError, os_error_message
 
 __all__ = ["main", "build_parser"]
 
@@ -418,16 +423,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, ValueError):
             pass
         return 141
-    except (OneloadError, FileNotFoundError, ValueError, KeyboardInterrupt) as e:
+    except (OneloadError, OSError, ValueError, KeyboardInterrupt) as e:
         if args.debug:
             raise
         if isinstance(e, KeyboardInterrupt):
             print("metaseq-oneload: interrupted", file=sys.stderr)
             return 130
+        # An OSError that no reader or writer turned into ours (one the system raised while
+        # this command opened, listed or wrote something): it names the file and what to do.
+        stray = isinstance(e, OSError) and not isinstance(e, OneloadError)
+        message = os_error_message(e, doing="access") if stray else str(e)
         if args.json:
-            print(json.dumps({"error": str(e), "type": type(e).__name__}))
-        print(f"metaseq-oneload {args.command}: error: {e}", file=sys.stderr)
+            print(json.dumps({"error": message, "type": type(e).__name__}))
+        print(f"metaseq-oneload {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001  (not a refusal: a bug; its traceback is what a report needs)
+        if args.debug:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        if args.json:
+            print(json.dumps({"error": f"internal error: {type(e).__name__}: {e}", "type": type(e).__name__}))
+        print(f"metaseq-oneload {args.command}: internal error: {type(e).__name__}: {e}. This is a bug in "
+              "metaseq-oneload, not a refusal of the input as far as it can tell: please report it with the "
+              "traceback above.", file=sys.stderr)
+        return 3
 
 
 def _load_commands() -> None:

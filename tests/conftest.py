@@ -10,12 +10,19 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The index key (formats/_index.py) defaults to one in the user's home: the suite keeps its
+# own, so that running the tests writes nothing there (subprocesses inherit it).
+if not os.environ.get("METASEQ_ONELOAD_INDEX_KEY"):
+    os.environ["METASEQ_ONELOAD_INDEX_KEY"] = os.path.join(
+        tempfile.mkdtemp(prefix="oneload-test-key-"), "index-key")
 FIXTURES = Path(os.environ.get("ONELOAD_FIXTURES", REPO / "tests" / "fixtures" / "metaseq"))
 SETS = ("singleton", "fsdp_dp3", "mp2_ddp", "mp2_dp2", "shard_only")
 

@@ -2,6 +2,13 @@
 uses it) behind a small HTTP proxy that counts what clients fetch and can answer the next
 k data reads with 503, as S3 does when it sheds load. Nothing reaches outside the machine.
 
+The proxy also misbehaves on purpose (``/__proxy__/misbehave``), as a broken cache, CDN or
+S3-compatible server does: it ignores ``Range`` (200 with the whole object), answers
+another range than asked (206 with a ``Content-Range`` that says so), sends a short or a
+long body under the right ``Content-Range``, or redirects; and it can replace an object in
+the store after a number of reads of it (``/__proxy__/swap``), through the store's own API,
+so that a load sees the object change between its header read and its data read.
+
 The proxy measures bytes independently of the code under test: the body bytes of every
 GET it relays, per object.
 """
@@ -48,6 +55,13 @@ class _Counters:
         self.bytes_by_key: dict = {}
         self.fail_next = 0
         self.failed = 0
+        self.mode = ""  # misbehaviour for ranged GETs: see S3Endpoint.misbehave
+        self.mode_key = ""  # only for this object (all where empty)
+        self.mode_after = 0  # ranged GETs passed through untouched first
+        self.mode_left = 0  # ranged GETs to misbehave on
+        self.misbehaved = 0
+        self.swap = None  # (key, ranged GETs before the swap, local file with the new bytes)
+        self.swapped = 0
 
 
 class _Proxy(http.server.BaseHTTPRequestHandler):
@@ -78,6 +92,21 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
             if fail:
                 c.fail_next -= 1
                 c.failed += 1
+            mode = ""
+            if ranged and not fail and c.mode and c.mode_left > 0 and c.mode_key in ("", key):
+                if c.mode_after > 0:
+                    c.mode_after -= 1
+                else:
+                    mode = c.mode
+                    c.mode_left -= 1
+                    c.misbehaved += 1
+            swap = None
+            if ranged and c.swap is not None and c.swap[0] == key:
+                if c.swap[1] > 0:
+                    c.swap = (key, c.swap[1] - 1, c.swap[2])
+                else:
+                    swap, c.swap = c.swap, None
+                    c.swapped += 1
         if fail:
             self.send_response(503)
             self.send_header("Content-Type", "application/xml")
@@ -85,12 +114,30 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(_SLOW)
             return
-        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        if swap is not None:  # the object changes in the store before this read reaches it
+            _put(self.upstream, key, Path(swap[2]).read_bytes())
+        if mode == "redirect":
+            self.send_response(307)
+            self.send_header("Location", f"http://{self.upstream[0]}:{self.upstream[1]}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        if mode == "ignore_range":
+            headers = {k: v for k, v in headers.items() if k.lower() != "range"}
+        elif mode == "other_range":  # 16 bytes off: an honest Content-Range, the wrong bytes
+            a, b = (int(x) for x in headers["Range"].split("=", 1)[1].split("-"))
+            d = -16 if a >= 16 else 16
+            headers["Range"] = f"bytes={a + d}-{b + d}"
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         conn.request(self.command, self.path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
         conn.close()
+        if mode == "short_body":
+            data = data[:-7]
+        elif mode == "long_body":
+            data = data + b"\0" * 7
         if self.command == "GET":
             with c.lock:
                 c.body_bytes += len(data)
@@ -113,15 +160,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _put(upstream: tuple, key: str, data: bytes) -> None:
+    """Replace /bucket/key in the store, through its own API."""
+    import boto3
+
+    bucket, name = key.lstrip("/").split("/", 1)
+    boto3.client("s3", endpoint_url=f"http://{upstream[0]}:{upstream[1]}", region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").put_object(
+                     Bucket=bucket, Key=name, Body=data)
+
+
 def _control(handler: _Proxy, parsed) -> None:
-    """/__proxy__/counters (GET: JSON), /__proxy__/reset, /__proxy__/fail?n=K."""
+    """/__proxy__/counters (GET: JSON), /__proxy__/reset, /__proxy__/fail?n=K,
+    /__proxy__/misbehave?mode=M[&key=/bucket/key][&after=N][&n=K] (M: ignore_range,
+    other_range, short_body, long_body, redirect; an empty M stops),
+    /__proxy__/swap?key=/bucket/key&after=N&src=LOCAL_FILE."""
     c = handler.counters
-    q = urllib.parse.parse_qs(parsed.query)
+    q = {k: v[0] for k, v in urllib.parse.parse_qs(parsed.query).items()}
     with c.lock:
         if parsed.path.endswith("/reset"):
             c.zero()
         elif parsed.path.endswith("/fail"):
-            c.fail_next = int(q["n"][0])
+            c.fail_next = int(q["n"])
+        elif parsed.path.endswith("/misbehave"):
+            c.mode, c.mode_key = q.get("mode", ""), q.get("key", "")
+            c.mode_after, c.mode_left = int(q.get("after", 0)), int(q.get("n", 10 ** 9))
+        elif parsed.path.endswith("/swap"):
+            c.swap = (q["key"], int(q.get("after", 0)), q["src"])
         body = json.dumps({k: v for k, v in vars(c).items() if k != "lock"}).encode()
     handler.send_response(200)
     handler.send_header("Content-Type", "application/json")
@@ -187,6 +252,20 @@ class S3Endpoint:
     def fail_next(self, n: int) -> None:
         """Answer the next ``n`` ranged GETs with 503 ServiceUnavailable."""
         self._ctl(f"fail?n={n}")
+
+    def misbehave(self, mode: str, *, key: str = "", after: int = 0, n: int = 10 ** 9) -> None:
+        """Answer ranged GETs (of ``key``, after ``after`` good ones, ``n`` of them) wrongly:
+        ``ignore_range`` (200, the whole object), ``other_range`` (206 for a range 16 bytes
+        off, saying so), ``short_body``/``long_body`` (7 bytes fewer/more under the right
+        Content-Range), ``redirect`` (307 to the store itself); ``""`` behaves again."""
+        q = urllib.parse.urlencode({"mode": mode, "key": key, "after": after, "n": n})
+        self._ctl(f"misbehave?{q}")
+
+    def swap_after(self, key: str, after: int, src: Path) -> None:
+        """Replace ``/bucket/key`` in the store with the bytes of ``src`` just before the
+        proxy relays the ranged GET of it that follows ``after`` more of them."""
+        q = urllib.parse.urlencode({"key": key, "after": after, "src": str(src)})
+        self._ctl(f"swap?{q}")
 
     def stop(self):
         if self.proc.poll() is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .. import _storage
-from .._errors import CheckpointLayoutError, CheckpointNotFoundError
+from .._errors import CheckpointLayoutError, CheckpointNotFoundError, reading
 from .._layout import CheckpointLayout
 from . import dcp, huggingface, metaseq, plain
 
@@ -74,13 +74,16 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
         UnsafeCheckpointError: a header needs a class outside the allowlist.
     """
     path = os.fspath(path)
+    _storage.refresh(path)  # objects as the store holds them now, pinned for the load that follows
     fmt = format_of(path)
     if _storage.is_url(path) and fmt.name not in ("plain", "metaseq"):
         raise CheckpointLayoutError(
             f"{path}: a {fmt.name} checkpoint at a URL, which this version reads from local files only "
             "(torch.save .pt files and sets are read from URLs). Copy it to a local folder first "
             "(e.g. `aws s3 cp --recursive`) and pass that folder.")
-    return _as_given(fmt.describe(path, trust_pickle=trust_pickle), path)
+    with reading(path):  # what a file holds never surfaces as a bare TypeError or OSError
+        layout = fmt.describe(path, trust_pickle=trust_pickle)
+    return _as_given(layout, path)
 
 
 def _given_folder(path: str) -> str:
@@ -157,6 +160,9 @@ def _adopt_url(d: dict, path, *, trust_pickle: bool) -> CheckpointLayout:
     layout = _index.from_json(d, where["directory"], trust_pickle=trust_pickle, index=False)
     if where["index"]:
         layout = dataclasses.replace(layout, index=where["index"])
+    for row, rows in zip(layout.files, d["files"]):  # read the versions the sender described
+        for f, sent in zip(row, rows):
+            _storage.pin(f.path, sent["size"], sent["mtime_ns"])
     return layout
 
 

@@ -359,6 +359,7 @@ def _contiguous(t: torch.Tensor) -> bool:
     return t.dim() == 0 or all(st == ex or sz == 1 for st, ex, sz in zip(t.stride(), reversed(stride), t.shape))
 
 def _direct_extent(path: str, fmt: str, obj: Mapping, name: str, t: torch.Tensor) -> Extent:
+    _check_tensor(path, fmt, name, t)
     offset = storage_byte_offset(t) if fmt == "zip" and _contiguous(t) else None
     return Extent(path, _model_key(obj, name), 0, t.numel(), offset)
 
@@ -713,10 +714,43 @@ def read_set(path: str, *, trust_pickle: bool = False, resolved: Optional[tuple]
     return TorchSet(fs, name, files, headers)
 
 
+def _check_loadable(f: CheckpointFile, header: Mapping) -> None:
+    """(local) Every model tensor of a file can be loaded for what its record holds (see
+    :func:`_check_tensor`)."""
+    prefix = _container(header)
+    for name, t in _model_dict(header).items():
+        _check_tensor(f.path, f.format, f"{prefix}.{name}" if prefix else name, t)
+
+
+def _check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor) -> None:
+    """A load builds each tensor whole (its elements in order), so one that declares more
+    bytes than its file stores for it would be allocated at its declared size before anything
+    could object: refused here, at inspect, instead."""
+    s = t.untyped_storage()
+    dtype = str(t.dtype).replace("torch.", "")
+    need = t.numel() * t.element_size()
+    if fmt != "legacy" and (getattr(s, "_oneload_storageless", False) or not hasattr(s, "_oneload_offset")):
+        raise CheckpointLayoutError(
+            f"{path}: tensor {shown}: saved without data (a meta tensor: shape {tuple(t.shape)}, {t.numel()} "
+            f"{dtype} elements, {need} bytes, and no record in the file), so there are no weights to load. "
+            "Save the checkpoint from a model whose weights are materialised (not on the meta device).")
+    if need > s.nbytes():
+        # torch.load returns such a tensor as a view of its small storage; a load here
+        # would allocate every element
+        raise CheckpointLayoutError(
+            f"{path}: tensor {shown}: shape {tuple(t.shape)} stride {tuple(t.stride())} is an expanded view "
+            f"whose {t.numel()} {dtype} elements ({need} bytes) repeat the {s.nbytes()} bytes its record holds; "
+            f"loading it would allocate {need} bytes where torch.load returns a view of {s.nbytes()}. If these "
+            "weights are meant, re-save the tensor with .contiguous(); else leave it out of the state dict.")
+
+
 def build_parts(ts: TorchSet) -> tuple:
     """(parts, metadata key or None, stale notes) of a set, from its tensors; raise where
     the parts cannot be one model."""
     stale: list = []
+    for row in ts.files:
+        for f in row:
+            _check_loadable(f, ts.headers[f.path])
     built = [_build_part(m, row, ts.headers, stale) for m, row in enumerate(ts.files)]
     parts = tuple(p for p, _ in built)
     if len({bool(p.flat_params) for p in parts}) > 1:

@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list
+from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list, os_error_message
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, ModelPart, StoredTensor
 from .._reading import Extent, read_header
 from ._torchsave import _direct_extent, _format, _model_dict
@@ -66,7 +66,7 @@ def read_safetensors_header(path: str) -> tuple:
                     f"{path}: not a safetensors file or truncated: header length {n} but the file has {size} bytes.")
             header = json.loads(f.read(n))
     except OSError as e:
-        raise CheckpointLayoutError(f"{path}: cannot read the file ({e.strerror or e}).") from e
+        raise CheckpointLayoutError(os_error_message(e, path)) from e
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointLayoutError(f"{path}: damaged safetensors header ({e}).") from e
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)

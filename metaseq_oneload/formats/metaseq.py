@@ -13,8 +13,13 @@ import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
+import torch
+
+from .. import _storage
 from .._errors import CheckpointLayoutError, cap_list
-from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get, model_args_of
+from .._layout import (CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get, model_args_of,
+                       raw_keys)
+from .._reading import storage_byte_offset
 from . import _index, _torchsave
 
 NAME = "metaseq"
@@ -61,6 +66,7 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
             f"{ts.label}: files of different saves are mixed in one set ({desc}). "
             "Keep only the files written by one save."
         )
+    _check_one_save(ts, run_ids)
     parts, metadata_key, stale = _torchsave.build_parts(ts)
     settings = _settings(ts.first)
     name = ts.name
@@ -79,7 +85,7 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
     # metaseq's config has a "reshard" section fairseq's lacks; flattened into old-style
     # args it leaves its keys there.
     args = first.get("args")
-    if ((cfg is not None and "reshard" in cfg) or any(".qkv_proj." in n for n in parts[0].tensors)
+    if ((cfg is not None and "reshard" in raw_keys(cfg)) or any(".qkv_proj." in n for n in parts[0].tensors)
             or (args is not None and _get(args, "target_world_size") is not None and _get(args, "do_pad") is not None)):
         flavor = "metaseq"
     elif first.get("cfg") is not None or first.get("args") is not None:
@@ -115,7 +121,14 @@ def _cfg_value(header: Any, section: str, key: str) -> Any:
 
 def _settings(header: Any) -> CheckpointSettings:
     def as_int(v):
-        return None if v is None else int(v)
+        # A hint the files are checked against: a value that is not an integer (an
+        # interpolation's text in a plain-dict cfg, a crafted string) is unknown, not an error.
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            return None
+        try:
+            return int(v)
+        except (ValueError, OverflowError):
+            return None
 
     usv = _cfg_value(header, "distributed_training", "use_sharded_state")
     ddp = _cfg_value(header, "distributed_training", "ddp_backend")
@@ -152,6 +165,106 @@ def _run_id(header: Any) -> tuple:
     save_id = _get(header.get("oneload_save"), "save_id")
     world = _cfg_value(header, "distributed_training", "distributed_world_size")
     return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"), save_id, world)
+
+# --------------------------------------------------------------------------- one save
+# metaseq and fairseq files carry no save identity, and two runs of one config stop at the
+# same update count with the same data position. What the ranks of one save share beyond
+# that are values they all-reduced: ``previous_training_time`` (averaged over the data
+# parallel ranks: equal across the shards of a model part, not across parts), and the train
+# ``loss`` meter (every rank of the save logs the same aggregate) and ``ewm_loss``. Two runs
+# have the same wall-clock time to the last bit only by accident.
+
+
+def _scalar(path: str, value: Any) -> Any:
+    """A number from a header: a Python number as is, a one-element tensor's value read from
+    its record (headers hold tensors on ``meta``: a few bytes at the offset the header read
+    checked); None where there is no number to read."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_complex():
+        return None
+    if value.device.type != "meta":
+        return float(value.item())
+    offset = storage_byte_offset(value)
+    if offset is None:  # (a legacy or compressed file: its bytes are not in place)
+        return None
+    size = value.element_size()
+    try:
+        fd = _storage.open_ro(path)
+        try:
+            data = _storage.pread(fd, size, offset)
+        finally:
+            _storage.close(fd)
+    except (OSError, ValueError):  # evidence we cannot read is no evidence; the load reports the file
+        return None
+    if len(data) != size:
+        return None
+    return float(torch.frombuffer(bytearray(data), dtype=value.dtype)[0])
+
+
+def _train_loss(extra: Any) -> Any:
+    """The train ``loss`` meter's state: metaseq/fairseq keep meters as (priority, name,
+    class, state) entries."""
+    metrics = _get(extra, "metrics")
+    group = _get(metrics, "train")
+    if not isinstance(group, (list, tuple)):
+        return None
+    for entry in group[:1000]:
+        if (isinstance(entry, (list, tuple)) and len(entry) == 4 and entry[1] == "loss"
+                and isinstance(entry[3], Mapping)):
+            return entry[3]
+    return None
+
+
+def _check_one_save(ts: "_torchsave.TorchSet", run_ids: Mapping) -> None:
+    """(any rank, local) Refuse a set whose files' all-reduced values disagree (see above);
+    files without a value are not compared. A set this package wrote carries its own save
+    identity, already compared (its outputs may take their meters from different sources)."""
+    paths = [f.path for row in ts.files for f in row]
+    if len(paths) < 2 or all(run_ids[p][3] is not None for p in paths):
+        return
+    extra = {p: _get(ts.headers[p], "extra_state") for p in paths}
+
+    def refuse(what: str, values: Mapping) -> None:
+        groups: dict = {}
+        for p, v in values.items():
+            groups.setdefault(v, []).append(os.path.basename(p))
+        desc = "; ".join(f"{what}={v!r}: {cap_list(names)}" for v, names in list(groups.items())[:5])
+        raise CheckpointLayoutError(
+            f"{ts.label}: files of different saves are mixed in one set ({desc}). They agree on the update count "
+            f"({run_ids[paths[0]][0]}) and data position, but every rank of one save writes the same {what} "
+            "(an all-reduced value), so these files come from different runs that stopped at the same step. "
+            "Keep only the files written by one save.")
+
+    def compare(what: str, files: Sequence[str], read) -> None:
+        values = {}
+        for p in files:
+            v = read(p)
+            if v is not None and v == v:  # (NaN is no evidence)
+                values[p] = v
+        if len(set(values.values())) > 1:
+            refuse(what, values)
+
+    for row in ts.files:  # averaged over the data-parallel ranks of one model part
+        if len(row) > 1:
+            compare("previous_training_time", [f.path for f in row],
+                    lambda p: _scalar(p, _get(extra[p], "previous_training_time")))
+    # The same for every rank of the save: one file per part is enough.
+    heads = [row[0].path for row in ts.files]
+    if len(heads) > 1:
+        compare("ewm_loss", heads, lambda p: _scalar(p, _get(extra[p], "ewm_loss")))
+
+        def loss(p: str) -> Any:
+            meter = _train_loss(extra[p])
+            if meter is None:
+                return None
+            total, count = _scalar(p, _get(meter, "sum")), _scalar(p, _get(meter, "count"))
+            return None if total is None or count is None else (total, count)
+
+        compare("train loss meter (sum, count)", heads, loss)
+
 
 def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, flat: bool,
                   name: FileName) -> list:

@@ -1,0 +1,155 @@
+"""Issue 21, class 6: every refusal is ours, at the API and on the command line.
+
+The real CLI (``python -m metaseq_oneload`` in a subprocess) on crafted inputs: a file this
+user may not read, a truncated file, a non-checkpoint file, a zip whose pickle is garbage,
+and headers whose fields have the wrong type (which used to surface as a raw TypeError, a
+traceback and exit 1). Each must exit 2 with one message on stderr that names the file,
+and no traceback. A bug (an error that is not a refusal) keeps its traceback and exits 3,
+so that it is not taken for verify's "they differ" (1).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import metaseq_oneload as mo
+from metaseq_oneload.cli import main
+from tests.conftest import FIXTURES, needs_fixtures
+
+SINGLE = FIXTURES / "singleton" / "checkpoint_2_consolidated.pt"
+# Root reads any file whatever its mode: drop the two capabilities that let it, so that a
+# chmod 000 file is as unreadable to this run as it is to any other user.
+DROP = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def cli(*argv, prefix=()):
+    r = subprocess.run([*prefix, sys.executable, "-m", "metaseq_oneload", *map(str, argv)], capture_output=True,
+                       text=True, timeout=300)
+    return r.returncode, r.stderr
+
+
+def assert_refused(rc, err, path, needle):
+    assert rc == 2, (rc, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert str(path) in err and needle in err, err[-3000:]
+
+
+def _denied_prefix(tmp_path) -> list:
+    """A command prefix under which a chmod 000 file cannot be read, or skip."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x")
+    probe.chmod(0)
+    prefix = DROP if os.geteuid() == 0 else []
+    if prefix and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: no way to deny a read")
+    r = subprocess.run([*prefix, "cat", str(probe)], capture_output=True)
+    if r.returncode == 0:
+        pytest.skip("this user reads a chmod 000 file (root without a way to drop CAP_DAC_OVERRIDE)")
+    return prefix
+
+
+@needs_fixtures
+def test_a_file_this_user_may_not_read_is_refused_with_how_to_fix_it(tmp_path):
+    prefix = _denied_prefix(tmp_path)
+    locked = tmp_path / "checkpoint_last.pt"
+    shutil.copyfile(SINGLE, locked)
+    locked.chmod(0)
+    for argv in (["inspect", locked], ["convert", locked, tmp_path / "out" / "x"], ["verify", locked, SINGLE]):
+        rc, err = cli(*argv, prefix=prefix)
+        assert_refused(rc, err, locked, "permission denied")
+        assert "ls -l" in err, err  # what to do, as the unlistable-folder message says
+
+
+@needs_fixtures
+def test_truncated_non_checkpoint_and_garbage_pickle_files_are_refused(tmp_path):
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(SINGLE.read_bytes()[:-300])
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint\n")
+    garbage = tmp_path / "garbage.pt"
+    with zipfile.ZipFile(garbage, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02this is no pickle")
+        z.writestr("archive/version", "3\n")
+    for path, needle in ((truncated, "truncated"), (text, "not a torch checkpoint"), (garbage, "pickle")):
+        rc, err = cli("inspect", path)
+        assert_refused(rc, err, path, needle)
+
+
+def _crafted(tmp_path) -> dict:
+    """Flat FSDP headers torch.load(weights_only=True) reads, whose shard_metadata fields
+    have the wrong type; name -> (path, the error the reader used to let out)."""
+    def flat(metadata):
+        return {"model": {"flat_param_0": torch.zeros(4)}, "shard_metadata": metadata}
+
+    def params(entry):
+        return flat({"param_metadata": [{"fsdp_path": "", "params": entry}], "buffer_names": []})
+
+    out = {}
+    for name, (header, raw) in {
+        "param_metadata_is_an_int": (flat({"param_metadata": 5}), TypeError),
+        "param_metadata_holds_an_int": (flat({"param_metadata": [5]}), TypeError),
+        "params_is_an_int": (params(5), AttributeError),
+        "padding_is_text": (params({"flat_param_0": {"names": ["a"], "shapes": [[4]], "numels": [4],
+                                                     "padding": "p"}}), ValueError),
+    }.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(header, path)
+        torch.load(path, weights_only=True)  # torch reads it: the refusal must be ours, not a crash
+        out[name] = (path, raw)
+    return out
+
+
+def test_header_fields_of_the_wrong_type_are_refused_not_a_traceback(tmp_path):
+    for name, (path, _) in _crafted(tmp_path).items():
+        for argv in (["inspect", path], ["plan", path, "--world", "2"]):
+            rc, err = cli(*argv)
+            assert_refused(rc, err, path, "could not be read as a checkpoint")
+
+
+def test_the_api_raises_ours_naming_the_file_with_the_cause_kept(tmp_path):
+    for name, (path, raw) in _crafted(tmp_path).items():
+        with pytest.raises(mo.CheckpointLayoutError,
+                           match=rf"{path}: could not be read as a checkpoint: {raw.__name__}: ") as e:
+            mo.inspect(path).to_dict()
+        assert type(e.value.__cause__) is raw, name
+        with pytest.raises(mo.OneloadError, match=str(path)):
+            mo.load_state_dict(path)
+
+
+def test_a_stray_os_error_is_a_refusal_that_names_the_file(monkeypatch, capsys):
+    # A real PermissionError from the system, even as root: another process's memory.
+    try:
+        with open("/proc/1/mem", "rb") as f:
+            f.read(1)
+        pytest.skip("/proc/1/mem is readable here")
+    except PermissionError as e:
+        raised = e
+    except OSError as e:
+        pytest.skip(f"/proc/1/mem: {e}")
+
+    def fake_inspect(path, **kw):
+        raise raised
+
+    monkeypatch.setattr(mo, "inspect", fake_inspect, raising=False)
+    assert main(["inspect", "checkpoint.pt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("metaseq-oneload inspect: error: /proc/1/mem: permission denied: ") and "ls -l" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_bug_keeps_its_traceback_and_exits_3(monkeypatch, capsys):
+    def buggy(path, **kw):
+        raise AssertionError("a bug in the package")
+
+    monkeypatch.setattr(mo, "inspect", buggy, raising=False)
+    assert main(["inspect", "whatever.pt"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "internal error: AssertionError: a bug in the package" in err
+    assert "please report it" in err
