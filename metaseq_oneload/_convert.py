@@ -61,7 +61,7 @@ import torch
 from ._errors import OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, FileName, is_interpolation, raw_get, raw_keys
 from .formats import discover
-from ._loading import _fill
+from ._loading import OptionError, _fill, check_option
 from ._optim import (OptimizerPlan, carry_extra_state, flat_pieces, plan_optimizer, rank_state, rest_source,
                      same_weights_layout, state_of)
 from ._plan import FlatGroup, FlatStructure, TargetTensor, flat_shard_range, plan_part
@@ -390,8 +390,8 @@ class _Conversion:
                 self.structures.append(s)
             if wrapping is None and not layout.flat:
                 self.notes.append("flat parameters follow metaseq's FSDP wrapping (each *.layers.N its own "
-                                  "instance, the rest in the root's flat_param_0); pass wrapping= (CLI --wrapping "
-                                  "SHARD.pt) to follow another model's")
+                                  "instance, the rest in the root's flat_param_0); pass wrapping=SHARD.pt "
+                                  "(CLI: --wrapping SHARD.pt) to follow another model's")
         # Optimizer state.
         self.optimizer: Optional[OptimizerPlan] = None
         self.params: list = []
@@ -404,12 +404,12 @@ class _Conversion:
         elif fmt == "safetensors":
             self.optimizer_status = "dropped"
             self.notes.append("optimizer state dropped: the safetensors output holds weights and metadata; "
-                              "use format='torch' to keep it")
+                              "use format='torch' (CLI: --format torch) to keep it")
         elif layout.flat and not flat:
             self.optimizer_status = "dropped"
             self.notes.append("optimizer state dropped: flat FSDP optimizer state cannot be mapped onto "
                               "unflattened parameters (the flat shards do not record the module's parameter "
-                              "order); keep the output flat (--flat) to carry it")
+                              "order); " + _KEEP_FLAT)
         else:
             if flat:
                 params = [[n for g in s.groups for n in g.names] for s in self.structures]
@@ -646,6 +646,13 @@ class _Conversion:
             return n, reader.bytes_read - before
 
 
+# How a note says to keep flat optimizer state: convert's words, and consolidate's (which
+# has no flat option: the way there is convert).
+_KEEP_FLAT = "keep the output flat, flat=True (CLI: --flat), to carry it"
+_KEEP_FLAT_CONSOLIDATE = ("convert(src, dst, flat=True) (CLI: metaseq-oneload convert SRC DST --flat) keeps the "
+                          "output flat and carries it")
+
+
 def _parse_budget(value: Any) -> Optional[int]:
     """Bytes from an int or a size such as "512M", "2G", "1.5GiB"."""
     if value is None or isinstance(value, int):
@@ -657,7 +664,8 @@ def _parse_budget(value: Any) -> Optional[int]:
             return int(float(s[:-1]) * mult[s[-1]])
         return int(float(s))
     except ValueError:
-        raise ValueError(f"memory_budget={value!r}: expected a number of bytes or a size such as 512M or 2G.") from None
+        raise OptionError(f"memory_budget={value!r} (CLI: --memory-budget {value}): expected a number of bytes or a "
+                          "size such as 512M or 2G.") from None
 
 
 def convert(
@@ -724,30 +732,36 @@ def convert(
         convert("/ckpt/checkpoint_last.pt", "/out/checkpoint_last", model_parallel=2, shards=4)
     """
     t0 = time.perf_counter()
+    for name, value in (("model_parallel", model_parallel), ("shards", shards), ("jobs", jobs), ("chunk_mb", chunk_mb)):
+        check_option(name, value)
+    if _parse_budget(memory_budget) is not None and _parse_budget(memory_budget) <= 0:
+        raise OptionError(f"memory_budget={memory_budget!r} (CLI: --memory-budget {memory_budget}): expected a "
+                          "positive size such as 512M or 2G. Nothing was read or written.")
     if format not in FORMATS:
-        raise ValueError(f"format={format!r}: expected one of {', '.join(FORMATS)}.")
+        raise OptionError(f"format={format!r}: expected one of {', '.join(FORMATS)}.")
     if isinstance(dtype, str):
         if dtype.lower() not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}.")
+            raise OptionError(f"dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}.")
         dtype = _DTYPES[dtype.lower()]
     layout = discover(src, trust_pickle=trust_pickle)
     M = layout.model_parallel_size if model_parallel is None else int(model_parallel)
     N = layout.shards_per_part if shards is None else int(shards)
     if M < 1 or N < 1:
-        raise ValueError(f"model_parallel={M}, shards={N}: both must be at least 1.")
+        raise OptionError(f"model_parallel={M}, shards={N}: both must be at least 1.")
     if flat is None:
         flat = N > 1 or (layout.flat and N == layout.shards_per_part)
     if not flat and N > 1:
-        raise ValueError(
+        raise OptionError(
             f"shards={N} with flat=False: metaseq's sharded state is FSDP flat parameters, and unflattened "
-            "weights are not split into shards. Use flat=True (CLI --flat) or shards=1."
+            "weights are not split into shards. Use flat=True (CLI: --flat) or shards=1 (CLI: --shards 1)."
         )
     if flat and qkv == "split":
-        raise ValueError("qkv='split' applies to unflattened outputs; flat parameters keep metaseq's fused qkv_proj.")
+        raise OptionError("qkv='split' applies to unflattened outputs; flat parameters keep metaseq's fused qkv_proj.")
     if flat and layout.flavor == "pytorch" and not layout.flat and wrapping is None:
         raise ConversionError(
-            f"{layout.display_name}: a bare state dict carries no FSDP wrapping; pass wrapping= (CLI --wrapping "
-            "SHARD.pt) with a flat shard or fairscale local_metadata_dict() to follow, or write flat=False."
+            f"{layout.display_name}: a bare state dict carries no FSDP wrapping; pass wrapping=SHARD.pt (CLI: "
+            "--wrapping SHARD.pt), a flat shard (or, in Python, fairscale's local_metadata_dict()) to follow, or "
+            "write unflattened weights: flat=False (CLI: --unflat)."
         )
     prefix = _resolve_dst(dst_prefix, layout)
     if os.path.join(os.path.realpath(os.path.dirname(prefix)), os.path.basename(prefix)) == os.path.join(
@@ -886,5 +900,6 @@ def consolidate(src: "str | os.PathLike", dst: "str | os.PathLike", **kwargs) ->
             raise TypeError(f"consolidate() sets {k} itself; use convert() for other layouts.")
     dst = os.fspath(dst)
     if not dst.endswith((".pt", ".safetensors")) and not (dst.endswith(os.sep) or os.path.isdir(dst)):
-        raise ValueError(f"{dst}: expected a file name ending in .pt (or .safetensors), or an existing folder.")
-    return convert(src, dst, model_parallel=1, shards=1, flat=False, **kwargs)
+        raise OptionError(f"{dst}: expected a file name ending in .pt (or .safetensors), or an existing folder.")
+    r = convert(src, dst, model_parallel=1, shards=1, flat=False, **kwargs)
+    return dataclasses.replace(r, notes=type(r.notes)(n.replace(_KEEP_FLAT, _KEEP_FLAT_CONSOLIDATE) for n in r.notes))

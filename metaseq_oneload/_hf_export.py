@@ -47,7 +47,7 @@ from ._errors import ConversionError, OneloadError, OutputExistsError, Unsupport
 from ._layout import CheckpointLayout
 from .formats import discover
 from .formats._torchsave import _scan
-from ._loading import _fill
+from ._loading import OptionError, _fill, check_option
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader
 from ._writing import (SAFETENSORS_DTYPES, Piece, Record, make_temp, progress_bar, source_clash, stale_temps,
@@ -205,8 +205,9 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
         refuse("alibi=True", "OPT has learned absolute positions, not ALiBi attention biases")
     if not _arg(args, "decoder_learned_pos", "decoder.embed_positions.weight" in targets):
         refuse("decoder_learned_pos=False",
-               "the model has no learned position table (sinusoidal in fairseq, none in metaseq); OPT needs "
-               "a learned table with offset 2")
+               "the model has no learned position table ("
+               + ("fairseq's default: sinusoidal positions" if layout.flavor == "fairseq" else "metaseq then has none")
+               + "); OPT needs a learned table with offset 2")
     if "decoder.embed_positions._float_tensor" in targets:
         refuse("sinusoidal positions", "decoder.embed_positions is fairseq's SinusoidalPositionalEmbedding")
     scaled = not _arg(args, "no_scale_embedding", False)
@@ -218,9 +219,9 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
         if not dim and embed is not None and len(embed.shape) == 2:
             dim = embed.shape[1]
         factor = f"sqrt(decoder_embed_dim)={math.sqrt(dim):.4g}" if dim else "sqrt(decoder_embed_dim)"
-        note = "" if "no_scale_embedding" in args else " (not in cfg.model: metaseq/fairseq default to scaling)"
+        note = "" if "no_scale_embedding" in args else f" (not in cfg.model: {layout.flavor} defaults to scaling)"
         refuse("no_scale_embedding=False",
-               f"metaseq multiplies token embeddings by {factor}{note}; OPT does not scale them")
+               f"{layout.flavor} multiplies token embeddings by {factor}{note}; OPT does not scale them")
     activation = str(_arg(args, "activation_fn", "relu"))
     table = _ACTIVATIONS["metaseq" if layout.flavor == "metaseq" else "fairseq"]
     if activation in _GATED:
@@ -358,11 +359,17 @@ def plan_opt(layout: CheckpointLayout, *, dtype: Optional[torch.dtype] = None) -
     if problems:
         settings = [s for s, _ in problems]
         lines = "\n".join(f"  - {s}: {why}" for s, why in problems)
+        # export-hf writes OPT only: there is no other architecture to suggest. The training
+        # flags named are the writer's own (fairseq-train's or metaseq-train's).
+        flags = list(dict.fromkeys(f for s in settings for k, f in _TRAIN_FLAGS.items() if s.startswith(k)))
+        trainer = "fairseq-train" if layout.flavor == "fairseq" else "metaseq-train"
         raise UnsupportedArchitectureError(
             f"{where}: cannot be expressed as a Hugging Face OPT model; nothing was written.\n{lines}\n"
             "OPT is a pre-LN (or post-LN without final norm) decoder with learned positions (offset 2), unscaled "
-            "embeddings and a relu/gelu/tanh/linear feed-forward. Export to another architecture, or retrain "
-            "without these settings.", settings)
+            "embeddings and a relu/gelu/tanh/linear feed-forward, and export-hf writes OPT only, so this "
+            f"{layout.flavor} model has no Hugging Face export here; its checkpoint still loads and converts as "
+            "it is. A model trained with OPT's settings exports"
+            + (f" ({trainer} {' '.join(flags)})." if flags else "."), settings)
 
     floats = [t.dtype for t in hf if t.dtype.is_floating_point]
     config_dtype = max(set(floats), key=floats.count) if floats else torch.float32
@@ -412,10 +419,11 @@ def parse_size(size: Union[int, str]) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)\s*", str(size).lower())
         if not m or m.group(2) not in _UNITS:
-            raise ValueError(f"max_shard_size={size!r}: expected bytes or a size like 5GB, 500MB, 2GiB.")
+            raise OptionError(f"max_shard_size={size!r} (CLI: --max-shard-size {size}): expected bytes or a size "
+                              "like 5GB, 500MB, 2GiB.")
         n = int(float(m.group(1)) * _UNITS[m.group(2)])
     if n <= 0:
-        raise ValueError(f"max_shard_size={size!r}: must be positive.")
+        raise OptionError(f"max_shard_size={size!r} (CLI: --max-shard-size {size}): must be positive, e.g. 5GB.")
     return n
 
 
@@ -497,8 +505,8 @@ def _clean_stale(dst: str) -> list:
             try:
                 os.rename(back, dst)
                 olds.remove(back)
-                notes.append(f"{dst} was put back from {os.path.basename(back)}, where an export with --overwrite "
-                             "killed before it finished had moved it")
+                notes.append(f"{dst} was put back from {os.path.basename(back)}, where an export with overwrite=True "
+                             "(CLI: --overwrite) killed before it finished had moved it")
             except OSError:
                 pass
     for folder in olds + stale_temps(dst, kinds=(_TMP,)):
@@ -547,6 +555,16 @@ def _ids(path: str) -> set:
 
 def _within(path: str, folder: str) -> bool:
     return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+# The training flags that give the setting OPT needs, for the refusal's last line.
+_TRAIN_FLAGS = {
+    "decoder_learned_pos=False": "--decoder-learned-pos",
+    "sinusoidal positions": "--decoder-learned-pos",
+    "no_scale_embedding=False": "--no-scale-embedding",
+    "layernorm_embedding=True": "without --layernorm-embedding",
+    "alibi=True": "without --alibi",
+}
 
 
 def _refuse_source(dst: str, sources: Mapping[str, str]) -> None:
@@ -601,9 +619,9 @@ def _why_not_an_export(path: str, source_ids: "set | frozenset" = frozenset()) -
 
 def _refuse_replacing(dst: str, why: str) -> None:
     raise OutputExistsError(
-        f"{dst}: not replaced: it {why}. --overwrite replaces only a folder export-hf wrote (config.json, "
-        "model*.safetensors, model.safetensors.index.json) or an empty folder. Choose another destination, or move "
-        "it away yourself.")
+        f"{dst}: not replaced: it {why}. overwrite=True (CLI: --overwrite) replaces only a folder export-hf wrote "
+        "(config.json, model*.safetensors, model.safetensors.index.json) or an empty folder. Choose another "
+        "destination, or move it away yourself.")
 
 
 def _fsync_dir(path: str) -> None:
@@ -711,6 +729,8 @@ def export_hf(
         export_hf("/ckpt/checkpoint_last.pt", "/out/opt-hf", max_shard_size="2GB")
     """
     t0 = time.perf_counter()
+    check_option("chunk_mb", chunk_mb)
+    parse_size(max_shard_size)  # a bad size is refused before anything is read
     dst = os.path.abspath(os.fspath(dst))
     layout = src if isinstance(src, CheckpointLayout) else discover(src, trust_pickle=trust_pickle)
     sources = _source_paths(layout, src)

@@ -180,6 +180,10 @@ class CheckpointLayout:
     num_updates: Optional[int]
     flavor: str = "pytorch"  # "metaseq", "fairseq" or "pytorch" (a bare state dict)
     warnings: tuple = field(default=())
+    # What is normal for the files and still worth knowing (a cfg or FSDP metadata their writer
+    # kept from the run they came from, which the tensors override; what a folder held beside
+    # the set and why it was skipped): inspect's report, never a warning.
+    notes: tuple = field(default=(), compare=False)
     # What the files carry that does not describe their own tensors ("shard_metadata",
     # "cfg.common.model_parallel_size", ...): reported, never trusted.
     stale_metadata: tuple = field(default=())
@@ -301,6 +305,7 @@ class CheckpointLayout:
             "stale_metadata": list(self.stale_metadata),
             "index": self.index,
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
         }
 
     def fingerprint(self) -> str:

@@ -149,9 +149,9 @@ class _Options:
     def __post_init__(self):
         object.__setattr__(self, "arrival_timeout", arrival_timeout(self.arrival_timeout))
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}.")
-        if not self.bucket_mb > 0 or not self.chunk_mb > 0:
-            raise ValueError("bucket_mb and chunk_mb must be positive.")
+            raise OptionError(f"strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}.")
+        check_option("bucket_mb", self.bucket_mb)
+        check_option("chunk_mb", self.chunk_mb)
 
     @property
     def bucket_bytes(self) -> int:
@@ -160,6 +160,42 @@ class _Options:
     @property
     def chunk_bytes(self) -> int:
         return max(1 << 16, int(self.chunk_mb * (1 << 20)))
+
+
+class OptionError(OneloadError, ValueError):
+    """An option's value cannot be used (a chunk of 0 MiB, a negative tolerance, no jobs).
+    Raised before anything is read or written; a ValueError too, as a bad argument is."""
+
+
+# How each numeric option is checked, wherever it is taken (load, plan, convert, verify,
+# export-hf and their flags): (what it must be, the test, an example of a good value).
+_CHECKS = {
+    "mb": ("a positive number of MiB", lambda v: 0 < v < float("inf"), "64"),
+    "count": ("a whole number of at least 1", lambda v: v >= 1 and float(v).is_integer(), "4"),
+    "tolerance": ("a finite number of at least 0", lambda v: 0 <= v < float("inf"), "1e-5"),
+    "top": ("a whole number of at least 0", lambda v: v >= 0 and float(v).is_integer(), "10"),
+}
+_KINDS = {"bucket_mb": "mb", "chunk_mb": "mb", "jobs": "count", "world": "count", "model_parallel": "count",
+          "shards": "count", "atol": "tolerance", "rtol": "tolerance", "top": "top"}
+
+
+def check_option(name: str, value, kind: Optional[str] = None):
+    """``value`` if option ``name`` may take it, else an :class:`OptionError` that names it
+    as the API spells it, with the command line's flag in the ``(CLI: ...)`` form the CLI
+    shows instead. ``None`` (the default) is always allowed."""
+    if value is None:
+        return value
+    what, ok, example = _CHECKS[kind or _KINDS[name]]
+    try:
+        good = not isinstance(value, bool) and bool(ok(float(value)))
+    except (TypeError, ValueError, OverflowError):
+        good = False
+    if not good:
+        flag = "--" + name.replace("_", "-")
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        raise OptionError(f"{name}={value!r} (CLI: {flag} {shown}): expected {what}, e.g. {name}={example} "
+                          f"(CLI: {flag} {example}). Nothing was read or written.")
+    return value
 
 
 # --------------------------------------------------------------------------- filling
@@ -370,8 +406,8 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
                                 "read each byte once between them and send it on")
         raise CheckpointLayoutError(
             f"strategy={opts.strategy!r} needs every rank to read the files, but {who} cannot "
-            f"({infos[blind[0]]['err']}). Use strategy='parallel' (or 'auto') to read once among the ranks "
-            "that can and send it on, or 'broadcast'."
+            f"({infos[blind[0]]['err']}). Use strategy='parallel' or strategy='auto' to read once among the "
+            "ranks that can and send it on, or strategy='broadcast'."
         )
     if opts.strategy == "broadcast":
         return "broadcast", "requested: data-parallel rank 0 reads and broadcasts in buckets"
@@ -381,7 +417,7 @@ def _choose(opts: _Options, infos: Sequence[dict], layout: Optional[CheckpointLa
     if opts.strategy == "own_shard" and not fits:
         raise CheckpointLayoutError(
             f"strategy='own_shard' needs the saved layout to match the world, but {why}. "
-            "Use strategy='reshard' (or 'auto') to read byte ranges from any layout."
+            "Use strategy='reshard' or strategy='auto' to read byte ranges from any layout."
         )
     if fits and opts.strategy in ("auto", "own_shard"):
         return "own_shard", why
@@ -428,6 +464,18 @@ def _schedule(targets: Mapping[str, TargetTensor], bucket_bytes: int, direct: bo
     return buckets
 
 
+def bucket_need(schedule: Sequence, targets: Mapping[str, TargetTensor]) -> int:
+    """The staging bucket a schedule's shared buckets fill: the largest of them (at most
+    ``bucket_mb``; a checkpoint smaller than the bucket gets a bucket its own size)."""
+    need = 0
+    for is_direct, entries in schedule:
+        if not is_direct and entries:
+            e = entries[-1]
+            nbytes = e.length * torch.empty((), dtype=targets[e.name].dtype).element_size()
+            need = max(need, e.offset + nbytes)
+    return need
+
+
 def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
                     reader: Optional[RangeReader], opts: _Options, direct: bool, progress) -> tuple:
     """(collective over ``dp``) Rank 0 reads and broadcasts; everyone copies what it
@@ -443,7 +491,7 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
     bucket, error = None, None
     try:
         if any(not is_direct for is_direct, _ in schedule):
-            bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
+            bucket = torch.empty(bucket_need(schedule, targets), dtype=torch.uint8, device=dp.device)
     except Exception as exc:  # e.g. out of (GPU) memory: say so before anyone waits
         error = exc
     error = first_failure(dp, error)
@@ -550,9 +598,10 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
         by_name.setdefault(w.name, []).append(w)
     status = torch.zeros(1, dtype=torch.int64, device=dp.device)
     bucket, error = None, None
+    schedule = _schedule(targets, opts.bucket_bytes, direct=False)
     try:
         if dp.rank == 0:
-            bucket = torch.empty(opts.bucket_bytes, dtype=torch.uint8, device=dp.device)
+            bucket = torch.empty(bucket_need(schedule, targets), dtype=torch.uint8, device=dp.device)
     except Exception as exc:
         error = exc
     error = first_failure(dp, error)
@@ -560,7 +609,6 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
         return error, ranges
     tag = 0
     step = dp.step
-    schedule = _schedule(targets, opts.bucket_bytes, direct=False)
     for b, (_, entries) in enumerate(schedule):
         pieces = _pieces(entries, ranges)
         if not pieces:

@@ -21,7 +21,8 @@ import torch
 from ._dist import Group
 from ._layout import CheckpointLayout
 from ._exchange import _in_place, _merged, _shared_slots, page_cache_view
-from ._loading import _choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges, state_dict_wants
+from ._loading import (_choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges,
+                       bucket_need, check_option, OptionError, state_dict_wants)
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
 
@@ -152,6 +153,7 @@ def plan_load(
     qkv: str = "auto",
     dtype: Optional[torch.dtype] = None,
     trust_pickle: bool = False,
+    wrapping: "Mapping | str | os.PathLike | None" = None,
 ) -> LoadPlan:
     """(local, metadata only) What ``load_state_dict(path, flat=..., strategy=...)`` would do
     on a world of ``world`` ranks, ``model_parallel`` parts of it, every rank seeing the files.
@@ -162,17 +164,31 @@ def plan_load(
         model_parallel: the target model-parallel size.
         flat, strategy, shard_metadata, bucket_mb, chunk_mb, qkv, dtype, trust_pickle: as
             for :func:`metaseq_oneload.load_state_dict`.
+        wrapping: instead of ``shard_metadata``, a flat shard file whose FSDP wrapping the
+            model follows (as :func:`metaseq_oneload.convert`'s). With ``flat=True`` on
+            unflattened metaseq weights and neither given, the plan assumes metaseq's wrapping
+            (each ``*.layers.N`` its own FSDP instance) and its reason says so.
 
     Raises:
         ValueError: ``world`` is not a positive multiple of ``model_parallel``.
         CheckpointLayoutError: the strategy cannot load this layout (as the load would say).
     """
-    if model_parallel < 1 or world < model_parallel or world % model_parallel:
-        raise ValueError(f"world={world}, model_parallel={model_parallel}: the world must be a positive "
-                         "multiple of the model-parallel size.")
+    check_option("world", world)
+    check_option("model_parallel", model_parallel)
+    if world % model_parallel:
+        raise OptionError(f"world={world}, model_parallel={model_parallel}: the world must be a positive multiple "
+                          "of the model-parallel size (each model-parallel part has as many data-parallel ranks).")
     opts = _Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, trust_pickle=trust_pickle, qkv=qkv,
                     dtype=dtype)
     layout = path if isinstance(path, CheckpointLayout) else discover(path, trust_pickle=trust_pickle)
+    assumed = ""
+    if flat and shard_metadata is None and wrapping is not None:
+        from ._convert import _wrapping_metadata
+
+        shard_metadata = _wrapping_metadata(wrapping, trust_pickle)
+    elif flat and shard_metadata is None and not layout.flat and layout.flavor != "pytorch":
+        assumed = ("; flat shards as metaseq wraps its models (each *.layers.N its own FSDP instance; "
+                   "wrapping=SHARD.pt (CLI: --wrapping SHARD.pt) plans another model's)")
     dp_size = world // model_parallel
     info = {"rank": 0, "ok": True, "blind": False, "fp": layout.fingerprint(), "err": None, "desc": ""}
     chosen, reason = _choose(opts, [dict(info, rank=d) for d in range(dp_size)], layout, model_parallel, dp_size,
@@ -183,17 +199,29 @@ def plan_load(
     # each serves them all.
     spans: dict = {}
     plain = 0
+    # Every part's data-parallel group decides on its own from the same start, as the
+    # engine's do: the strategy and reason of one part never feed the next.
+    first, why = chosen, reason
+    decided: Dict[Tuple[str, str], None] = {}
     for m in range(model_parallel):
+        chosen, reason = first, why
         targets = plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype)
         structure = None
         if flat:
-            structure = (FlatStructure.from_metadata(shard_metadata) if shard_metadata is not None
-                         else FlatStructure.from_layout(layout, targets))
+            if shard_metadata is not None:
+                structure = FlatStructure.from_metadata(shard_metadata)
+            elif assumed:
+                from ._convert import _metaseq_wrapping
+
+                structure = _metaseq_wrapping(targets, set(layout.parts[0].buffer_names))
+            else:
+                structure = FlatStructure.from_layout(layout, targets)
             structure.check_against(targets)
         per_dp = [_resolve_aliases(_wants(targets, structure, flat, d, dp_size, dtype), targets)
                   for d in range(dp_size)]
         outs = [sum(_nbytes(w.out) for w in wants) for wants in per_dp]  # as LoadReport.bytes_out
         if chosen == "broadcast":
+            decided.setdefault((chosen, reason))
             ranks += _broadcast_part(m, model_parallel, targets, per_dp, outs, flat, opts)
             continue
         if chosen in ("own_shard", "reshard", "parallel") and dp_size > 1:
@@ -205,8 +233,10 @@ def plan_load(
                 chosen, strategy, reason, ranges, sizes, [n for n, t in targets.items() if t.alias_of is None],
                 list(range(dp_size)), ["node"] * dp_size, [cache] * dp_size, opts.bucket_bytes)
             if plan is not None:
+                decided.setdefault((chosen, reason))
                 ranks += _parallel_part(m, model_parallel, targets, per_dp, outs, plan, sizes, opts)
                 continue
+        decided.setdefault((chosen, reason))
         for d, wants in enumerate(per_dp):
             reader = _CountingReader(opts.chunk_bytes, spans)
             for w in wants:
@@ -216,6 +246,13 @@ def plan_load(
             ranks.append(RankPlan(d * model_parallel + m, m, d, tuple(reader.files), reader.reads,
                                   reader.bytes_read, outs[d], 0, 0, extra))
     ranks.sort(key=lambda r: r.rank)
+    chosen = next(iter(decided))[0]
+    if len({c for c, _ in decided}) > 1:
+        chosen = "mixed"
+    reason = "; ".join(dict.fromkeys(f"{c}: {r}" if chosen == "mixed" else r for c, r in decided))
+    if chosen == "own_shard":
+        reason = _own_file_note(layout, ranks, reason)
+    reason += assumed
     read = sum(r.bytes_read for r in ranks)
     return LoadPlan(path=layout.display_name, kind=layout.kind, saved_model_parallel=layout.model_parallel_size,
                     saved_shards=layout.shards_per_part, saved_flat=layout.flat, world=world,
@@ -223,6 +260,24 @@ def plan_load(
                     model_bytes=layout.total_bytes, ranks=tuple(ranks),
                     storage_bytes=(read - plain + sum(hi - lo for iv in spans.values() for lo, hi in _merged(iv))
                                    if cache["shared"] else read))
+
+
+def _own_file_note(layout: CheckpointLayout, ranks, reason: str) -> str:
+    """own_shard's reason, as the ranks' reads bear it out: a rank that also reads another
+    file than its own (the buffers every shard repeats are read from the first) is named."""
+    others, names = [], set()
+    for r in ranks:
+        own = layout.files[r.model_parallel_rank][r.data_parallel_rank].path
+        if any(f != own for f in r.files):
+            others.append(r)
+            names.update(os.path.basename(f) for f in r.files if f != own)
+    if not others:
+        return reason
+    names = sorted(names)
+    who = "rank" + ("s " if len(others) > 1 else " ") + ", ".join(str(r.rank) for r in others[:8]) + (
+        " ..." if len(others) > 8 else "")
+    return (f"{reason}; {who} also read{'s' if len(others) == 1 else ''} from {', '.join(names[:4])}: the unsharded "
+            "tensors (buffers) every shard file repeats are read from one copy")
 
 
 def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, plan, sizes, opts: _Options) -> list:
@@ -278,13 +333,14 @@ def _broadcast_part(m: int, mp_size: int, targets, per_dp, outs, flat: bool, opt
                 size = e.offset + _nbytes(view)
             for d in range(1, dp_size):
                 received[d] += size
-        bucket = 0 if all(d for d, _ in schedule) else opts.bucket_bytes
+        bucket = bucket_need(schedule, targets)  # 0 when every bucket goes straight into the outputs
     else:
         wanted = {}
         for d, wants in enumerate(per_dp):
             for w in wants:
                 wanted.setdefault(w.name, []).append((w.start, w.stop, d, _nbytes(w.out) // max(1, w.out.numel())))
-        for _, entries in _schedule(targets, opts.bucket_bytes, direct=False):
+        schedule = _schedule(targets, opts.bucket_bytes, direct=False)
+        for _, entries in schedule:
             hits = []
             for e in entries:
                 for lo, hi, d, item in wanted.get(e.name, ()):
@@ -299,7 +355,7 @@ def _broadcast_part(m: int, mp_size: int, targets, per_dp, outs, flat: bool, opt
             for d, n in hits:
                 if d != 0:
                     received[d] += n
-        bucket = opts.bucket_bytes
+        bucket = bucket_need(schedule, targets)
     sent = sum(received)
     out = []
     for d in range(dp_size):

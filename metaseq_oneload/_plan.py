@@ -501,8 +501,9 @@ class FlatStructure:
         if not part.flat_params:
             raise StateDictMismatchError(
                 f"{layout.display_name}: flat=True needs the target FSDP wrapping, and this checkpoint is "
-                "not flattened, so it cannot tell. Pass shard_metadata=model.local_metadata_dict() of the "
-                "fairscale FSDP model you load into."
+                "not flattened, so it cannot tell. Pass the wrapping of the fairscale FSDP model you load into: "
+                "shard_metadata=model.local_metadata_dict() (CLI: --wrapping SHARD.pt, a flat shard file that "
+                "model saved)."
             )
         paths = {fp.fsdp_path for fp in part.flat_params}
         owned: dict = {}

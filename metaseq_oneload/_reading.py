@@ -194,8 +194,13 @@ def _file_kind(path: str) -> str:
         return "legacy"
     raise CheckpointLayoutError(
         f"{path}: not a torch checkpoint: it starts with {head!r}, expected a torch zip archive "
-        f"('PK\\x03\\x04') or torch's legacy pickle format. Remove it from the checkpoint set."
+        f"('PK\\x03\\x04') or torch's legacy pickle format.{NOT_TORCH_IN_A_SET}"
     )
+
+
+# The advice for a non-torch file among a set's files; one file named alone gets another
+# (formats/_torchsave.py), since removing it would leave nothing.
+NOT_TORCH_IN_A_SET = " Remove it from the checkpoint set."
 
 
 # --------------------------------------------------------------------------- the archive

@@ -199,11 +199,17 @@ def pin(url: str, size: int, version: str) -> None:
 # --------------------------------------------------------------------------- fsspec
 
 
+class MissingRemoteExtraError(OneloadError, ImportError):
+    """A URL was given, and fsspec or its protocol's package is not installed: a refusal
+    (the command line's exit 2), an ImportError too for callers that catch that."""
+
+
 def _missing_fsspec(url: str, e: ImportError) -> ImportError:
-    return ImportError(
-        f"{url}: reading checkpoints from URLs needs fsspec and the protocol's package ({e}). "
-        "Install them with `pip install metaseq-oneload[remote]` (s3fs for s3://; gcsfs for gs://, "
-        "adlfs for az://, aiohttp for http(s)://).")
+    return MissingRemoteExtraError(
+        f"{url}: reading checkpoints from URLs needs fsspec and the protocol's package, and this Python has not "
+        f"got them ({e}). Install them with `pip install metaseq-oneload[remote]` (from a clone: "
+        "`pip install '.[remote]'`; s3fs for s3://, gcsfs for gs://, adlfs for az://, aiohttp for http(s)://), "
+        "or copy the checkpoint to a local folder and pass that.")
 
 
 _FILESYSTEMS: "weakref.WeakSet" = weakref.WeakSet()

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from .formats import discover
-from ._loading import _fill
+from ._loading import _fill, check_option
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader
 from ._writing import progress_bar
@@ -162,6 +162,9 @@ def verify(
         A :class:`VerifyReport`; ``.match`` is True when the names, shapes and every value agree.
     """
     t0 = time.perf_counter()
+    check_option("atol", atol)
+    check_option("rtol", rtol)
+    check_option("chunk_mb", chunk_mb)
     la, lb = discover(a, trust_pickle=trust_pickle), discover(b, trust_pickle=trust_pickle)
     ta, tb = plan_part(la, 1, 0, qkv="fused"), plan_part(lb, 1, 0, qkv="fused")
     only_a = tuple(n for n in ta if n not in tb)

@@ -429,7 +429,7 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str
     offset = 0
     for name, shape, dtype, rec in entries:
         if dtype not in SAFETENSORS_DTYPES:
-            raise ConversionError(f"{name}: dtype {dtype} has no safetensors code; use --format torch.")
+            raise ConversionError(f"{name}: dtype {dtype} has no safetensors code; use format='torch' (CLI: --format torch).")
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": [int(s) for s in shape],
                         "data_offsets": [offset, offset + rec.nbytes]}
         offset += rec.nbytes

@@ -16,6 +16,7 @@ declared here, and the modules that import torch are imported only when a comman
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -64,9 +65,42 @@ def table(rows: Sequence[Sequence], header: Optional[Sequence] = None) -> str:
     return "\n".join(lines)
 
 
+# The library's messages name its Python arguments; where a flag differs they add it as
+# "ARG (CLI: FLAG)". The command line shows FLAG alone, and an argument of the running
+# subcommand's (strategy='reshard', overwrite=True) as that subcommand's flag.
+_MARKED = re.compile(r"(?<![\w.])(?:[\w.]+\([^()]*\)|[\w.]+=(?:'[^']*'|\S*?)) \(CLI:? ([^)]*)\)")
+_ASIDE = re.compile(r"\(CLI:? ([^)]*)\)")
+_ARG = re.compile(r"(?<![\w.\-/])([a-z_][a-z0-9_]*)=('[^']*'|\"[^\"]*\"|[\w.+\-]*)")
+_SUBPARSER: Optional[argparse.ArgumentParser] = None  # the running subcommand's, set by main
+
+
+def cli_words(message: str, parser: Optional[argparse.ArgumentParser] = None) -> str:
+    """``message`` in the command line's words: flags, not Python arguments."""
+    message = _ASIDE.sub(r"(\1)", _MARKED.sub(r"\1", message))
+    parser = parser or _SUBPARSER
+    if parser is None:
+        return message
+
+    def flag(m: "re.Match") -> str:
+        name, raw = m.group(1), m.group(2)
+        value = raw[1:-1] if raw[:1] in "'\"" else raw
+        for a in parser._actions:
+            if a.dest != name or not a.option_strings:
+                continue
+            long = max(a.option_strings, key=len)
+            if a.nargs == 0:  # a switch: the one whose value this is
+                if str(a.const) == value:
+                    return long
+                continue
+            return f"{long} {value}".rstrip()
+        return m.group(0)
+
+    return _ARG.sub(flag, message)
+
+
 def warn(message: str) -> None:
     """One ``warning: ...`` line on stderr."""
-    print(f"warning: {message}", file=sys.stderr)
+    print(f"warning: {cli_words(message)}", file=sys.stderr)
 
 
 def _progress(args) -> Optional[bool]:
@@ -113,6 +147,8 @@ def _describe(layout) -> str:
         out.append(f"... and {shown - 16} more files")
     if layout.aliases:
         out.append(f"links: {', '.join(layout.aliases[:4])}{' ...' if len(layout.aliases) > 4 else ''}")
+    if layout.notes:  # normal for such files, so part of the report, not warnings
+        out += ["", "notes"] + [f"  - {n}" for n in layout.notes]
     return "\n".join(out)
 
 
@@ -172,7 +208,7 @@ def _convert_table(r) -> str:
     out.append(table([[os.path.basename(p), human_bytes(os.path.getsize(p))]
                       for p in list(r.files) + list(r.sidecars)]))
     if r.notes:
-        out += ["", "notes"] + [f"  - {n}" for n in r.notes]
+        out += ["", "notes"] + [f"  - {cli_words(n)}" for n in r.notes]
     if r.removed:
         out += ["", "removed"] + [f"  - {p}" for p in r.removed]
     return "\n".join(out)
@@ -220,8 +256,10 @@ def _configure_consolidate(p: argparse.ArgumentParser) -> None:
 
 
 def _verify(args) -> int:
+    from ._loading import check_option
     from ._verify import verify
 
+    check_option("top", args.top)
     r = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
                progress=_progress(args))
     if args.json:
@@ -331,7 +369,7 @@ def _plan_table(plan) -> str:
         ["checkpoint", f"{plan.path}  ({saved})"],
         ["target", f"world {plan.world} = {plan.model_parallel} model-parallel x {dp} data-parallel, "
                    f"{'flat' if plan.flat else 'unflattened'}"],
-        ["strategy", f"{plan.strategy}: {plan.reason}"],
+        ["strategy", f"{plan.strategy}: {cli_words(plan.reason)}"],
         ["read", f"{human_bytes(plan.bytes_read)} by the ranks in all ({ratio:.2f}x the checkpoint's "
                  f"{human_bytes(plan.model_bytes)} of tensors)"
                  + ("" if plan.storage_bytes >= plan.bytes_read else
@@ -358,7 +396,8 @@ def _plan(args) -> int:
 
     plan = plan_load(args.path, world=args.world, model_parallel=args.model_parallel, flat=args.flat,
                      strategy=args.strategy, bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb,
-                     dtype=_DTYPES[args.dtype] if args.dtype else None, trust_pickle=args.trust_pickle)
+                     dtype=_DTYPES[args.dtype] if args.dtype else None, trust_pickle=args.trust_pickle,
+                     wrapping=args.wrapping)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else _plan_table(plan))
     return 0
 
@@ -368,6 +407,9 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", "-w", type=int, required=True, help="ranks in the job (all of them)")
     p.add_argument("--model-parallel", "-m", type=int, default=1, help="target model-parallel size (default 1)")
     p.add_argument("--flat", action="store_true", help="plan load_state_dict(flat=True): each rank its FSDP shard")
+    p.add_argument("--wrapping", default=None,
+                   help="with --flat on unflattened weights: a flat shard whose FSDP wrapping the model follows "
+                        "(default: metaseq's, each *.layers.N its own instance)")
     p.add_argument("--strategy", choices=("auto", "own_shard", "reshard", "broadcast", "parallel"), default="auto",
                    help="as load_state_dict's (default auto: the plan says which it picks and why)")
     p.add_argument("--bucket-mb", type=float, default=256, help="broadcast bucket (default 256)")
@@ -408,13 +450,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true", help="print the traceback on errors")
         p.add_argument("--trust-pickle", action="store_true",
                        help="UNSAFE: unpickle without the allowlist (runs code from the file)")
-        p.set_defaults(_fn=fn)
+        p.set_defaults(_fn=fn, _parser=p)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``metaseq-oneload`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    global _SUBPARSER
     args = build_parser().parse_args(argv)
+    _SUBPARSER = args._parser
     try:
         return int(args._fn(args) or 0)
     except BrokenPipeError:  # stdout closed early (| head): stop quietly, as cat does
@@ -432,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # An OSError that no reader or writer turned into ours (one the system raised while
         # this command opened, listed or wrote something): it names the file and what to do.
         stray = isinstance(e, OSError) and not isinstance(e, OneloadError)
-        message = os_error_message(e, doing="access") if stray else str(e)
+        message = cli_words(os_error_message(e, doing="access") if stray else str(e), args._parser)
         if args.json:
             print(json.dumps({"error": message, "type": type(e).__name__}))
         print(f"metaseq-oneload {args.command}: error: {message}", file=sys.stderr)

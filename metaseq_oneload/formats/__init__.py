@@ -73,7 +73,7 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
         CheckpointNotFoundError: nothing at the path.
         UnsafeCheckpointError: a header needs a class outside the allowlist.
     """
-    path = os.fspath(path)
+    path = _weights_of_prefix(os.fspath(path))
     _storage.refresh(path)  # objects as the store holds them now, pinned for the load that follows
     fmt = format_of(path)
     if _storage.is_url(path) and fmt.name not in ("plain", "metaseq"):
@@ -84,6 +84,22 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
     with reading(path):  # what a file holds never surfaces as a bare TypeError or OSError
         layout = fmt.describe(path, trust_pickle=trust_pickle)
     return _as_given(layout, path)
+
+
+# What follows a prefix the tool prints for a weight file that is not a .pt set (convert's
+# safetensors output, a Hugging Face folder's model / pytorch_model).
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
+def _weights_of_prefix(path: str) -> str:
+    """``path`` itself, unless nothing is there and it is a prefix the tool printed for a
+    safetensors or .bin file beside no .pt set of that prefix: then that file."""
+    if _storage.is_url(path) or glob.has_magic(path) or os.path.lexists(path) or path.endswith((".pt", os.sep)):
+        return path
+    found = [path + s for s in _WEIGHT_SUFFIXES if os.path.isfile(path + s)]
+    if not found or glob.glob(glob.escape(path) + "[-_]*.pt"):
+        return path  # a .pt set (or nothing): the metaseq grammar's resolution says which
+    return found[0]
 
 
 def _given_folder(path: str) -> str:

@@ -132,6 +132,7 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identiti
                         for t in p.tensors.values()],
         } for p in layout.parts],
         "warnings": list(layout.warnings),
+        "notes": list(layout.notes),
         "stale_metadata": list(layout.stale_metadata),
     }
 
@@ -312,6 +313,7 @@ def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False, index: 
         num_updates=d["num_updates"],
         flavor=d["flavor"],
         warnings=tuple(d["warnings"]),
+        notes=tuple(d.get("notes", ())),  # (absent from indexes written before notes existed)
         stale_metadata=tuple(d["stale_metadata"]),
         trust_pickle=trust_pickle,
         config=d["model_args"],

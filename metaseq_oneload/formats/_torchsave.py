@@ -13,20 +13,22 @@ OPT release layout) are unflattened weights, and the metadata is reported as sta
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import glob
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from .. import _storage
-from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list as _cap
+from .._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, cap_list as _cap
 from .._layout import CheckpointFile, FileName, FlatParam, ModelPart, StoredTensor
-from .._reading import Extent, _file_kind, key_path, range_readable, read_header, storage_byte_offset
+from .._reading import (NOT_TORCH_IN_A_SET, Extent, _file_kind, key_path, range_readable, read_header,
+                        storage_byte_offset)
 
 _POINTER_MAX_BYTES = 4096
 _MAX_POINTER_HOPS = 40
@@ -192,6 +194,8 @@ class _FileSet:
     prefix: str
     members: tuple  # real paths
     aliases: tuple  # entry names pointing into the set that are not its real names
+    # What the folder the user named held beside the set and was skipped, each "name (why)".
+    skipped: tuple = ()
 
 
 def _set_from(key: tuple, entries: Iterable) -> _FileSet:
@@ -214,12 +218,70 @@ def _set_from(key: tuple, entries: Iterable) -> _FileSet:
     return _FileSet(directory, prefix, tuple(sorted(members)), tuple(sorted(aliases)))
 
 
-def _looks_like_checkpoint(path: str) -> bool:
+# FasterTransformer's converters write one raw array per tensor (and tensor-parallel rank),
+# model.<name>.bin, beside a config.ini: no pickle, no dtype, nothing a loader could map.
+_FT_WEIGHT_RE = re.compile(r"^model\..+\.bin$")
+_PARAM_LEAVES = ("weight", "bias")
+_TRAINING_KEYS = ("cfg", "args", "optimizer_history", "shard_metadata", "fsdp_metadata", "extra_state")
+
+
+def _fastertransformer_files(directory: str) -> list:
     try:
-        obj = read_header(path)
+        names = sorted(_storage.listdir(directory))
+    except OSError:
+        return []
+    bins = [n for n in names if _FT_WEIGHT_RE.match(n)]
+    return (["config.ini"] if bins and "config.ini" in names else []) + bins
+
+
+def _fastertransformer_note(names: Sequence[str]) -> str:
+    bins = [n for n in names if _FT_WEIGHT_RE.match(n)]
+    return (f"{len(names)} FasterTransformer file(s) ({'config.ini and ' if 'config.ini' in names else ''}"
+            f"{len(bins)} model.*.bin, e.g. {bins[0]}): raw weight arrays without names or "
+            "dtypes, a format metaseq-oneload does not read (load them with FasterTransformer, or pass the "
+            "metaseq checkpoint they were converted from)")
+
+
+def _why_not_a_model(obj: Any) -> Optional[str]:
+    """Why a readable header holds no model's weights (a metrics or logits file saved beside a
+    checkpoint), or None where it does: a training container, or a bare state dict with a
+    parameter-like name (``decoder.layers.0.fc1.weight``, ``weight``)."""
+    if not isinstance(obj, Mapping):
+        return f"holds a {type(obj).__name__}, not a state dict"
+    key = _container(obj)
+    if key:
+        return None
+    if key is None and any(k in obj for k in _CONTAINERS + _TRAINING_KEYS):
+        return None  # a training checkpoint, maybe damaged: reading the set says what is wrong with it
+    keys = [str(k) for k in obj.keys()]
+    tensors = [k for k, v in obj.items() if torch.is_tensor(v)]
+    if key is None:
+        what = f"{len(tensors)} tensor(s) among" if tensors else "no tensors, only"
+        return f"{what} {len(keys)} value(s) ({_cap(keys, 3)}): no model state dict"
+    for k, v in obj.items():
+        if v.is_floating_point() and v.dim() >= 1 and ("." in k or k in _PARAM_LEAVES):
+            return None
+    return (f"{len(tensors)} tensor(s) named {_cap(keys, 3)}: no parameter names such as "
+            "decoder.layers.0.fc1.weight, so not a model's weights")
+
+
+def _kind_of_set(fs: _FileSet) -> tuple:
+    """("model", None), ("other", why) for a readable file that holds no model's weights, or
+    ("unreadable", None) / ("unknown", None) where its header cannot be read here (damaged, or
+    a pickle the allowlist refuses: reading the set says which, under trust_pickle too)."""
+    try:
+        obj = read_header(fs.members[0])
     except CheckpointLayoutError:
-        return False
-    return _model_dict(obj) is not None
+        return "unreadable", None
+    except OneloadError:
+        return "unknown", None
+    why = _why_not_a_model(obj)
+    return ("model", None) if why is None else ("other", why)
+
+
+def skipped_note(fs: _FileSet) -> tuple:
+    """The notes saying what the folder held beside ``fs`` and why it was skipped."""
+    return tuple(f"skipped {s}" for s in fs.skipped)
 
 
 def _describe_sets(sets: Sequence[_FileSet]) -> str:
@@ -252,6 +314,12 @@ def _resolve_set(path: str) -> _FileSet:
                 f"{path}: the folder holds {len(problems)} *.pt entr{'y' if len(problems) == 1 else 'ies'} "
                 f"but none can be read: {_cap(problems, 3, fmt=lambda m: m.rstrip('.'), sep='; ')}."
             )
+        foreign = _fastertransformer_files(path)
+        if not entries and foreign:
+            raise CheckpointLayoutError(
+                f"{path}: the folder holds no *.pt files, only {_fastertransformer_note(foreign)}. Expected a "
+                "checkpoint such as checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
+            )
         if not entries:
             # Not "damaged": an empty folder is what a rank sees where a mount is missing.
             raise CheckpointNotFoundError(
@@ -271,14 +339,33 @@ def _resolve_set(path: str) -> _FileSet:
                 )
             return _set_from(keys[0], entries)
         sets = [_set_from(k, v) for k, v in sorted(by_key.items())]
-        if len(sets) > 1:
-            sets = [s for s in sets if _looks_like_checkpoint(s.members[0])] or sets
-        if len(sets) == 1:
-            return sets[0]
+        from . import _index  # (the index's own module reads this one's names)
+
+        # A lone set with our index beside it is ours: not unpickled just to be sure.
+        lone_ours = (len(sets) == 1 and not foreign
+                     and _storage.lexists(_index.index_path(sets[0].directory, sets[0].prefix)))
+        kinds = [("model", None) if lone_ours else _kind_of_set(s) for s in sets]
+        skipped = [f"{os.path.basename(s.members[0])}"
+                   + (f" and {len(s.members) - 1} more file(s) of {s.prefix}" if len(s.members) > 1 else "")
+                   + f" ({why})" for s, (kind, why) in zip(sets, kinds) if kind == "other"]
+        if foreign:
+            skipped.append(_fastertransformer_note(foreign))
+        # Damaged files stay candidates only where nothing else is: reading them says what they are.
+        candidates = ([s for s, (kind, _) in zip(sets, kinds) if kind in ("model", "unknown")]
+                      or [s for s, (kind, _) in zip(sets, kinds) if kind == "unreadable"])
+        if len(candidates) == 1:
+            return replace(candidates[0], skipped=tuple(skipped))
+        if not candidates:
+            raise CheckpointLayoutError(
+                f"{path}: the folder holds no checkpoint; skipped {'; '.join(skipped)}. Expected a checkpoint "
+                "such as checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt: pass its folder or one of "
+                "its files."
+            )
         raise CheckpointLayoutError(
-            f"{path}: the folder holds {len(sets)} checkpoints and no checkpoint_last: "
-            f"{_describe_sets(sets)}. Choose one by passing its name, e.g. "
-            f"{os.path.join(path, sets[-1].prefix + '.pt')}."
+            f"{path}: the folder holds {len(candidates)} checkpoints and no checkpoint_last: "
+            f"{_describe_sets(candidates)}. Choose one by passing its name, e.g. "
+            f"{os.path.join(path, candidates[-1].prefix + '.pt')}."
+            + (f" (Not checkpoints, so skipped {'; '.join(skipped)}.)" if skipped else "")
         )
 
     if _storage.lexists(path):
@@ -294,16 +381,19 @@ def _resolve_set(path: str) -> _FileSet:
         return _set_from(entry.set_key, [entry])
 
     # The un-suffixed name metaseq scripts take: X.pt where only X-model_part-*.pt,
-    # X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt).
+    # X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt);
+    # or the bare prefix X, as convert's destination and inspect's "checkpoint" show it.
     directory, base = os.path.split(path)
     directory = directory or "."
-    if not base.endswith(".pt") or not _storage.isdir(directory):
+    if not base or not _storage.isdir(directory):
         raise CheckpointNotFoundError(f"{path}: no such file or folder.")
-    stem = base[:-3]
+    stem = base[:-3] if base.endswith(".pt") else base
     entries = [e for e in _scan(directory) if e.parsed.prefix == stem]
     if not entries:
         raise CheckpointNotFoundError(
-            f"{path}: no such file, and no {stem}-model_part-*.pt, {stem}-shard*.pt or {stem}_part*.pt "
+            f"{path}: no such file{'' if base.endswith('.pt') else ' or folder'}, and no "
+            f"{'' if base.endswith('.pt') else stem + '.pt, '}{stem}-model_part-*.pt, "
+            f"{stem}-shard*.pt or {stem}_part*.pt "
             f"beside it in {_storage.abspath(directory)}. Pass an existing file or the folder."
         )
     keys = sorted({e.set_key for e in entries})
@@ -595,9 +685,10 @@ def _stale_metadata_note(f: CheckpointFile, key: str, md: Mapping, model: Mappin
             listed[_joined(fsdp_path, n)] = tuple(int(x) for x in s)
     disagree = [n for n, s in listed.items() if n in model and tuple(model[n].shape) != s]
     absent = [n for n in listed if n not in model]
-    note = (f"{os.path.basename(f.path)}: holds unflattened weights but keeps the {key} of the FSDP run it "
-            "came from (as metaseq's reshard_fsdp --unflatten-weights writes it); the tensors are used and "
-            "the metadata is ignored")
+    # No writer is named: metaseq's reshard_fsdp, reshard_mp and convert_to_singleton leave
+    # such a file, and so does fairseq-train's FSDP without use_sharded_state.
+    note = (f"{os.path.basename(f.path)}: holds unflattened weights beside the {key} of the FSDP run they "
+            "came from; the tensors are used and the metadata is ignored")
     said = ([f"{len(disagree)} shape(s) differ ({_cap(disagree, 3)})"] if disagree else []) + (
         [f"{len(absent)} listed tensor(s) absent ({_cap(absent, 3)})"] if absent else [])
     if said:
@@ -628,6 +719,19 @@ def _check_flat(fp: FlatParam, files: Sequence[CheckpointFile]) -> None:
             )
         seen_padding = seen_padding or real < (fp.shard_numels[0] if fp.shard_numels else 0)
     held = sum(fp.real_numels)
+    per_shard = fp.shard_numels[0] if fp.shard_numels else 0
+    needed = -(-fp.total_numel // per_shard) if per_shard else 0
+    name = FileName.parse(os.path.basename(files[-1].path))
+    if held < fp.total_numel and needed > len(files) and name is not None and name.shard is not None:
+        # Every shard but the last is full: the count the set needs follows from the size.
+        missing = [os.path.join(os.path.dirname(files[-1].path), name.format(shard=d))
+                   for d in range(len(files), needed)]
+        raise CheckpointLayoutError(
+            f"{where}: {fp.key}: the {len(files)} shard(s) hold {held} of the {fp.total_numel} elements its "
+            f"metadata lists, {per_shard} per shard, so the set has {needed} shards and "
+            f"{_cap(missing, fmt=os.path.basename)} {'is' if len(missing) == 1 else 'are'} missing (in "
+            f"{os.path.dirname(files[-1].path)}). Copy the missing shard(s) next to the others."
+        )
     if held != fp.total_numel:
         raise CheckpointLayoutError(
             f"{where}: {fp.key}: the {len(files)} shard(s) hold {held} elements but its metadata "
@@ -684,6 +788,21 @@ class TorchSet:
         return self.headers[self.files[0][0].path]
 
 
+@contextlib.contextmanager
+def alone_if_one(paths: Sequence[str]):
+    """A set of one file that is not torch at all was named alone (a README, a text file):
+    the advice is to pass a checkpoint, not to take the file out of a set it alone makes."""
+    try:
+        yield
+    except CheckpointLayoutError as e:
+        text = str(e)
+        if len(paths) != 1 or not text.endswith(NOT_TORCH_IN_A_SET):
+            raise
+        raise CheckpointLayoutError(
+            text[:-len(NOT_TORCH_IN_A_SET)] + " Pass a checkpoint: a file torch.save wrote (a metaseq or fairseq "
+            ".pt, a state dict), a folder holding one, or a Hugging Face model folder.") from None
+
+
 def resolve_grid(path: str) -> tuple:
     """(local) ``path`` resolved to one complete grid of files, from names alone:
     (file set, parsed name, [part][shard] of paths)."""
@@ -696,10 +815,11 @@ def read_set(path: str, *, trust_pickle: bool = False, resolved: Optional[tuple]
     """(local) Resolve ``path`` to one complete grid of files and read their headers."""
     fs, name, grid = resolved or resolve_grid(path)
     paths = [p for row in grid for p in row]
-    if trust_pickle:
-        headers = {p: read_header(p, trust_pickle=True) for p in paths}
-    else:
-        headers = _read_headers(paths)
+    with alone_if_one(paths):
+        if trust_pickle:
+            headers = {p: read_header(p, trust_pickle=True) for p in paths}
+        else:
+            headers = _read_headers(paths)
     for p, h in headers.items():
         if _model_dict(h) is None:
             keys = _cap([repr(k) for k in h.keys()], 8) if isinstance(h, Mapping) else type(h).__name__

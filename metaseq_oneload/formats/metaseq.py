@@ -4,7 +4,7 @@ files named by the metaseq/fairseq grammar (see :mod:`metaseq_oneload._layout`).
 
 What this module knows that the shared torch machinery does not: what the ``cfg`` says
 (and that it is stale in consolidated and resharded files: the files win, the cfg becomes a
-warning), which saves the files belong to, and which of the two libraries wrote them.
+note of inspect's report, not a warning: every such writer leaves it), which saves the files belong to, and which of the two libraries wrote them.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     resolved = _torchsave.resolve_grid(path)
     fs, _, grid = resolved
     indexed, stale_index = _index.load(fs.directory, fs.prefix, grid, trust_pickle=trust_pickle)
+    skipped = _torchsave.skipped_note(fs)
     if indexed is not None:
-        return dataclasses.replace(indexed, aliases=fs.aliases)
+        return dataclasses.replace(indexed, aliases=fs.aliases, notes=indexed.notes + skipped)
     layout = _from_headers(_torchsave.read_set(path, trust_pickle=trust_pickle, resolved=resolved), trust_pickle)
-    if stale_index:
+    if stale_index:  # an index that no longer describes its files is wrong, not normal: a warning
         layout = dataclasses.replace(layout, warnings=layout.warnings + (stale_index,))
-    return layout
+    return dataclasses.replace(layout, notes=layout.notes + skipped) if skipped else layout
 
 
 def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLayout:
@@ -103,7 +104,9 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
         aliases=ts.fileset.aliases,
         num_updates=run_ids[files[0][0].path][0],
         flavor=flavor,
-        warnings=tuple(w for _, w in stale + stale_cfg),
+        # What every consolidating or resharding writer leaves (and fairseq's FSDP without
+        # use_sharded_state): the tensors settle it, so it is reported, not warned about.
+        notes=tuple(w for _, w in stale + stale_cfg),
         stale_metadata=tuple(dict.fromkeys(k for k, _ in stale + stale_cfg)),
         trust_pickle=trust_pickle,
     )
@@ -274,7 +277,7 @@ def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: Checkpoin
 
     def warn(field_name: str, value: Any, files_say: Any) -> None:
         out.append((f"cfg.{field_name}",
-                    f"cfg {field_name}={value} but the files hold {files_say}; using the files "
+                    f"cfg {field_name}={value} but the files hold {files_say}; the files are used "
                     "(a consolidated or resharded checkpoint keeps the cfg of the run it came from)."))
 
     if settings.model_parallel_size is not None and settings.model_parallel_size != n_parts:

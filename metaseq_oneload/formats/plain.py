@@ -66,7 +66,8 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     prefix = base[:-3] if base.endswith(".pt") else base
     given = os.path.basename(os.fspath(path))
     fileset = _torchsave._FileSet(directory, prefix, (real,), (given,) if given != base else ())
-    header = _torchsave.read_header(real, trust_pickle=trust_pickle)
+    with _torchsave.alone_if_one([real]):
+        header = _torchsave.read_header(real, trust_pickle=trust_pickle)
     f = CheckpointFile(real, 0, 0, _storage.getsize(real), _torchsave._format(real))
     ts = _torchsave.TorchSet(fileset, FileName(prefix), ((f,),), {real: header})
     parts, metadata_key, stale = _torchsave.build_parts(ts)
@@ -81,7 +82,7 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
         aliases=fileset.aliases,
         num_updates=None,
         flavor="pytorch",
-        warnings=tuple(w for _, w in stale),
+        notes=tuple(w for _, w in stale),
         stale_metadata=tuple(dict.fromkeys(k for k, _ in stale)),
         trust_pickle=trust_pickle,
     )

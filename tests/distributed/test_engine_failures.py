@@ -25,7 +25,8 @@ pytestmark = needs_fixtures
     ("reader_dies_mid_scatter", 3, r"reading failed on 1 rank\(s\) \(0\).*rank 0: CheckpointLayoutError: .*truncated: needed bytes"),
     ("same_group_twice", 2, r"rank \d: the data-parallel group \[0, 1\] and the model-parallel group \[0, 1\] share ranks \[0, 1\]"),
     ("options_differ", 2, r"ranks of one data-parallel group called with different options: rank 0 \['auto', False, 256, 64, True"),
-    ("bucket_cannot_be_allocated", 2, r"reading failed on 2 rank\(s\) \(0, 1\)"),
+    # (No "bucket cannot be allocated" case: a bucket is sized by what the checkpoint needs,
+    # not by bucket_mb alone, so bucket_mb=1e12 loads; test_first_hour_cli pins that.)
     ("reader_fails_while_verifying", 2, r"verifying failed on 1 rank\(s\) \(0\).*rank 0: CheckpointLayoutError: .*truncated"),
     ("wrong_shape_on_one_rank", 2, r"matching the target failed on 1 rank\(s\) \(1\).*decoder\.layers\.0\.fc1\.weight: checkpoint \(64, 34\) vs module \(48, 34\)"),
 ])

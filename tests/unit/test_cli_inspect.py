@@ -31,7 +31,7 @@ def test_json(capsys):
     assert main(["inspect", str(FIXTURES / "singleton"), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["kind"] == "singleton" and d["files"] == [[str(FIXTURES / "singleton" / "checkpoint_2_consolidated.pt")]]
-    assert d["warnings"] and d["num_params"] == 21548
+    assert d["notes"] and d["warnings"] == [] and d["num_params"] == 21548
 
 
 def test_error_exit_code_and_no_traceback(tmp_path):

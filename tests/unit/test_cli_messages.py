@@ -13,20 +13,38 @@ from tests.hf_tiny import config_of, edited_singleton
 pytestmark = needs_fixtures
 
 
-def test_inspect_warnings_go_to_stderr(capsys):
-    # The singleton fixture's cfg still says use_sharded_state=True: inspect warns about it.
+def test_inspect_notes_go_to_stdout_and_warnings_to_stderr(tmp_path, capsys):
+    # The singleton fixture's cfg still says use_sharded_state=True, as its writer leaves it:
+    # a note of the report, not a warning.
     assert main(["inspect", str(FIXTURES / "singleton")]) == 0
     out, err = capsys.readouterr()
-    assert "kind              singleton" in out and "warning:" not in out
-    assert err.startswith("warning: ") and "use_sharded_state=True" in err
+    assert "kind              singleton" in out and "warning:" not in out and err == ""
+    assert "use_sharded_state=True" in out.split("\nnotes\n", 1)[1]
+    # An index that no longer describes its files is wrong: a warning, on stderr.
+    import torch
+
+    from tests.conftest import raw_load
+
+    import metaseq_oneload as mo
+
+    mo.convert(FIXTURES / "fsdp_dp3", tmp_path / "out" / "ck", shards=2, progress=False)
+    shard = tmp_path / "out" / "ck-model_part-0-shard1.pt"
+    obj = raw_load(shard)
+    obj["extra_state"]["edited"] = True
+    torch.save(obj, shard)
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "warning:" not in out and err.startswith("warning: ") and "stale" in err
 
 
 def test_export_hf_warnings_go_to_stderr_and_json_stays_clean(tmp_path, capsys):
-    assert main(["export-hf", str(FIXTURES / "singleton"), str(tmp_path / "opt"), "--no-progress"]) == 0
+    # cfg.model.max_target_positions disagrees with the position table: export-hf warns.
+    src = str(edited_singleton(tmp_path / "src", cfg={"max_target_positions": 99}))
+    assert main(["export-hf", src, str(tmp_path / "opt"), "--no-progress"]) == 0
     out, err = capsys.readouterr()
     assert "architecture  OPT: 2 layers" in out and "warning:" not in out
-    assert "warning: " in err and "use_sharded_state=True" in err
-    assert main(["export-hf", str(FIXTURES / "singleton"), str(tmp_path / "opt2"), "--json"]) == 0
+    assert "warning: " in err and "max_target_positions=99" in err
+    assert main(["export-hf", src, str(tmp_path / "opt2"), "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["warnings"] and err == ""  # the JSON carries them; nothing else is printed
 

@@ -28,7 +28,36 @@ def test_json_per_rank(capsys):
     assert reader["bytes_read"] > 0 and reader["files"] and all(r["bytes_read"] == 0 for r in receivers)
     assert all(r["bytes_received"] >= r["bytes_out"] for r in receivers)  # whole buckets, padding included
     assert d["network_bytes"] == sum(r["bytes_received"] for r in receivers) == reader["bytes_sent"]
-    assert reader["peak_extra_bytes"] == 256 << 20  # the bucket, as the engine allocates it
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 1.5, 1e12])  # 1e12: sized by the checkpoint, not the option
+def test_broadcast_peak_is_the_bucket_the_engine_allocates(capsys, monkeypatch, bucket_mb):
+    """The plan's extra memory for a broadcast is what the engine's broadcast loop really
+    allocates beyond the outputs (its staging bucket), at the default size and another:
+    measured on the engine, not restated from the formula."""
+    import torch
+
+    import metaseq_oneload as mo
+
+    flag = [] if bucket_mb is None else ["--bucket-mb", str(bucket_mb)]
+    assert main(["plan", str(FIXTURES / "singleton"), "-w", "3", "--strategy", "broadcast", "--json"] + flag) == 0
+    d = json.loads(capsys.readouterr().out)
+    # The same load on one process runs the same broadcast loop (every rank allocates the same).
+    staged, real = [], torch.empty
+
+    def recording(*args, **kw):
+        t = real(*args, **kw)
+        if t.dtype == torch.uint8:  # the engine's staging bytes; outputs have the tensors' dtypes
+            staged.append(t.numel())
+        return t
+
+    monkeypatch.setattr(torch, "empty", recording)
+    kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    mo.load_state_dict(FIXTURES / "singleton", strategy="broadcast", progress=False, **kw)
+    monkeypatch.undo()
+    assert staged, "the broadcast loop allocated no bucket"
+    assert sum(staged) <= d["model_bytes"] + 4096, staged
+    assert [r["peak_extra_bytes"] for r in d["ranks"]] == [sum(staged)] * 3, (staged, d["ranks"])
 
 
 def test_full_weights_on_one_node_read_through_its_page_cache(capsys):
@@ -57,7 +86,7 @@ def test_own_shard_reads_each_rank_its_file(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["-w", "3", "-m", "2"], "the world must be a positive multiple of the model-parallel size"),
-    (["-w", "2", "--strategy", "own_shard"], "strategy='own_shard' needs the saved layout to match the world"),
+    (["-w", "2", "--strategy", "own_shard"], "--strategy own_shard needs the saved layout to match the world"),
 ])
 def test_errors(capsys, argv, message):
     assert main(["plan", str(FIXTURES / "fsdp_dp3")] + argv) == 2

@@ -53,7 +53,7 @@ def test_inspect_describes_the_files(e):
         assert sorted(layout.stale_metadata) == sorted(stale), (e.id, layout.stale_metadata)
     # Stale metadata is said, in the JSON too, never refused.
     assert layout.to_dict()["stale_metadata"] == list(layout.stale_metadata)
-    assert len(layout.warnings) >= len(layout.stale_metadata)
+    assert len(layout.notes) >= len(layout.stale_metadata)
 
 
 @pytest.mark.parametrize("e", REFUSED, ids=[e.id for e in REFUSED])

@@ -3,6 +3,7 @@ model-parallel checkpoint's config, and the module importing nothing of fairseq.
 itself runs against real fairseq in tests/integration/test_fairseq_*.py."""
 
 import argparse
+import subprocess
 import sys
 
 from metaseq_oneload.integrations import fairseq as fairseq_patch
@@ -55,7 +56,19 @@ def test_dictionaries_padded_once_each_as_megatron_did():
 
 
 def test_the_module_imports_no_fairseq():
-    assert "fairseq" not in sys.modules or hasattr(sys.modules["fairseq"], "__version__")
+    """In a fresh process of real fairseq's Python where there is one (tests/integration/
+    fairseq_run.py), so that an import of fairseq, direct or guarded, would succeed and show;
+    else of this one, where a direct import would fail."""
+    from tests.integration import fairseq_run
+
+    python = fairseq_run.PYTHON or sys.executable
+    probe = ("import sys, metaseq_oneload.integrations.fairseq; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fairseq', 'fairseq_cli')))")
+    p = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=fairseq_run._env(None))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "[]", p.stdout
+    if fairseq_run.PYTHON:  # the check above could have seen fairseq there
+        subprocess.run([python, "-c", "import fairseq"], check=True, env=fairseq_run._env(None))
     assert not any(name == "fairseq" for name in vars(fairseq_patch))
 
 
@@ -74,3 +87,26 @@ def test_composing_the_oneload_group_leaves_hydras_version_base_as_it_was():
     if before is getattr(version, "_UNSPECIFIED_", None):
         assert not version.base_at_least("1.2")
         instance.version_base = before  # base_at_least fixed it to 1.1; the program had not
+
+
+def test_real_fairseq_converts_its_namespace_after_the_oneload_group_was_composed():
+    """What the test above guards, on real fairseq 0.12.2 (in its own Python; skips where there
+    is none): its convert_namespace_to_omegaconf still works after compose_oneload. It fails
+    with hydra.experimental.initialize's ImportError once version_base is 1.2."""
+    import pytest
+
+    from tests.integration import fairseq_run
+
+    if fairseq_run.skip_reason():
+        pytest.skip(fairseq_run.skip_reason())
+    probe = "\n".join([
+        "from metaseq_oneload import compose_oneload",
+        "compose_oneload(['+oneload=auto'])",
+        "from fairseq import options",
+        "from fairseq.dataclass.utils import convert_namespace_to_omegaconf",
+        "args = options.parse_args_and_arch(options.get_validation_parser(), ['DATA', '--task', 'language_modeling'])",
+        "print('task:', convert_namespace_to_omegaconf(args).task._name)"])
+    p = subprocess.run([fairseq_run.python(), "-c", probe], capture_output=True, text=True,
+                       env=fairseq_run._env(None))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines()[-1] == "task: language_modeling", p.stdout[-1000:]

@@ -183,7 +183,8 @@ def test_existing_destination(tmp_path, capsys):
         export_hf(FIXTURES / "singleton", dst)
     # --overwrite replaces a folder an export wrote, never one holding anything else.
     with pytest.raises(OutputExistsError, match=r"opt: not replaced: it holds keep.txt, which an export does not "
-                                                r"write\. --overwrite replaces only a folder export-hf wrote"):
+                                                r"write\. overwrite=True \(CLI: --overwrite\) replaces only a folder "
+                                                r"export-hf wrote"):
         export_hf(FIXTURES / "singleton", dst, overwrite=True)
     assert sorted(os.listdir(dst)) == ["keep.txt"]
     src = edited_singleton(dst / "src")
