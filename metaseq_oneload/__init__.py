@@ -29,8 +29,14 @@ from ._errors import (
     CheckpointNotFoundError,
     ConversionError,
     DistributedLoadError,
+    MalformedCheckpointError,
+    MissingRemoteExtraError,
     OneloadError,
+    OptionError,
+    OutOfResourcesError,
     OutputExistsError,
+    RemoteObjectChangedError,
+    RemoteStoreError,
     StateDictMismatchError,
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
@@ -82,6 +88,12 @@ __all__ = sorted(_LAZY) + [
     "ConversionError",
     "OutputExistsError",
     "UnsupportedArchitectureError",
+    "MalformedCheckpointError",
+    "OptionError",
+    "MissingRemoteExtraError",
+    "RemoteStoreError",
+    "RemoteObjectChangedError",
+    "OutOfResourcesError",
 ]
 
 # A literal: setup.cfg reads it (version = attr:) without importing the package.

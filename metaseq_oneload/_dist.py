@@ -19,7 +19,9 @@ Two failures no exchange can carry, because a rank is not there to take part:
   group's 30 minutes), after which every rank that arrived raises, naming those that did not.
   A rank whose call to the load fails before it checks in (a bad argument, its own module)
   is not left to that timeout: :func:`tell_failed` settles the check-in as failed at once,
-  with its reason, and every other rank raises it within a store round trip;
+  with its reason, and every other rank raises it within ``_RETURN_GRACE`` seconds (unless
+  the failed rank checks in again meanwhile: then that call was one it made alone, and the
+  others' load goes on with it);
 * a rank that dies mid-load: the backend's own error (gloo's "Connection closed by peer")
   becomes a :class:`DistributedLoadError` that names the step and, where this host can
   tell, the rank whose process is gone (:meth:`Group.guard`).
@@ -54,17 +56,28 @@ logger = logging.getLogger("metaseq_oneload")
 
 ARRIVAL_TIMEOUT_ENV = "METASEQ_ONELOAD_ARRIVAL_TIMEOUT"
 # Only a rank that never calls the load waits this out: one whose call fails before the
-# check-in tells the others at once (tell_failed). So it is sized for ranks that reach the
-# load at different times (building or wrapping the model, rank-0-only set-up: seconds to
-# a minute), with room to spare, yet short enough that the message is still on the screen
-# when someone looks (300 s was longer than people wait before killing the job).
-DEFAULT_ARRIVAL_TIMEOUT = 120.0
+# check-in tells the others at once (tell_failed, the integrations' _before_load). It is
+# sized for a rank that is merely slow to arrive, and the metaseq/fairseq integrations
+# discover the set on each rank (_locate: every header of the set) before the engine's
+# check-in: on a cold network file system a large set's headers take minutes on one rank
+# while its peers wait. 120 s failed such a rank; 300 s covers it (a rank that fails does
+# not cost this wait).
+DEFAULT_ARRIVAL_TIMEOUT = 300.0
 # Characters of one rank's message that travel to the others (the local error keeps all of
 # it as the cause).
 MESSAGE_CAP = 2000
 _KEY = "oneload/arrival"
 _GRACE = 1.0  # seconds a lost peer on this host has to finish ending before it is looked for
 _LOST_POLL = 0.2  # seconds between looks in the store for a peer that stopped
+# Seconds a rank told that another rank's own call failed before the check-in (tell_failed)
+# waits for that rank's next check-in before raising it: a call the failed rank made alone
+# (a rank-specific code path that caught the error and went on) is withdrawn there, and its
+# next call is the others' load. Nothing in the store tells that lone call from the
+# others' load failing on that rank, in either order (it fails before they check in, or
+# while they wait), so every rank waits this long at most, whichever came first; a failed
+# rank that retries at once is met by the others' load. Short against arrival_timeout.
+_RETURN_GRACE = 2.0
+_FATE_POLL = 0.02
 
 
 def clip(text: str, limit: int = MESSAGE_CAP) -> str:
@@ -357,7 +370,7 @@ class Group:
                 return store
         return None
 
-    def check_in(self, timeout: float, prior: Optional[dict]) -> Optional[dict]:
+    def check_in(self, timeout: float, prior: Optional[dict], own: bool = False) -> Optional[dict]:
         """(all ranks of the group, collective through the store) Wait at most ``timeout``
         seconds for every member to arrive. ``prior`` is this rank's failure (its own, before
         the load, or from an earlier group's check-in), passed on so that this group's
@@ -368,6 +381,11 @@ class Group:
         arrived, one rank gave up waiting, or one failed): a rank that skipped a load meets
         the others at their next one, and one that comes after they gave up is told so,
         never left waiting inside a collective.
+
+        ``own``: ``prior`` is this rank's own call failing (:func:`tell_failed`). That may be a
+        call this rank made alone (a rank-specific code path that caught the error and went
+        on): the others, waiting or arriving, wait up to :data:`_RETURN_GRACE` seconds for
+        its next check-in, which withdraws the failure (:meth:`_fate`), before raising it.
         """
         store = self._store() if self.size > 1 else None
         if store is None:
@@ -375,7 +393,8 @@ class Group:
         members = self.members()
         base = f"{_KEY}/{self.role}/{hashlib.sha1(repr(members).encode()).hexdigest()[:16]}"
         gen = store.add(f"{base}/gen", 0)
-        missed = self._missed(store, base, gen, timeout)
+        self._withdraw(store, base, gen)
+        missed = self._missed(store, base, gen, timeout, prior is not None)
         if missed is not None:
             return prior or missed
         key = f"{base}/{gen}"
@@ -386,7 +405,10 @@ class Group:
         state = None
         if prior is not None:
             # This rank will not take part: the others stop now, not after arrival_timeout.
-            state = self._resolve(store, base, gen, json.dumps({"failed": prior, "at": time.time()}))
+            verdict = {"failed": prior, "at": time.time()}
+            if own:
+                verdict["own"] = self.global_rank  # its own call: maybe one it made alone
+            state = self._resolve(store, base, gen, json.dumps(verdict))
         elif arrived >= self.size:
             state = self._resolve(store, base, gen, "ok")
         else:
@@ -402,6 +424,8 @@ class Group:
             return prior
         verdict = json.loads(state)
         if "failed" in verdict:
+            if prior is None and "own" in verdict and self._fate(store, key, timeout) == "void":
+                return self.check_in(timeout, prior, own)  # it came back: this is its next load
             return prior or verdict["failed"]
         missing = verdict["missing"]
         where = f"of the {self.role} group [{cap_list(members)}]"
@@ -420,13 +444,14 @@ class Group:
         return prior or {"message": message, "failures": {str(r): "never arrived" for r in missing}}
 
     def _resolve(self, store, base: str, gen: int, value: str) -> str:
-        """Decide check-in ``gen`` once: the first rank to claim it bumps the counter, then
-        publishes ``value``; returns what was published (by whichever rank won)."""
+        """Decide check-in ``gen`` once: the first rank to claim it publishes ``value``, then
+        bumps the counter (in that order: a rank that reads the new count finds the verdict
+        of the one before, :meth:`_missed`); returns what was published (by whichever rank won)."""
         key = f"{base}/{gen}"
         me = str(self.global_rank)
         if store.compare_set(f"{key}/claim", "", me).decode() == me:
-            store.add(f"{base}/gen", 1)
             store.set(f"{key}/state", value)
+            store.add(f"{base}/gen", 1)
             if value == "ok" and gen > 0:
                 self._forget(store, f"{base}/{gen - 1}")
             return value
@@ -438,17 +463,21 @@ class Group:
         try:
             for r in self.members():
                 store.delete_key(f"{key}/r{r}")
-            for k in ("n", "claim", "state", "why"):
+            for k in ("n", "claim", "state", "why", "fate", "lost"):
                 store.delete_key(f"{key}/{k}")
         except Exception:  # noqa: BLE001  (a store without delete: the keys stay, harmless)
             pass
 
-    def _missed(self, store, base: str, gen: int, timeout: float) -> Optional[dict]:
+    def _missed(self, store, base: str, gen: int, timeout: float, failing: bool = False):
         """The failure of the previous check-in if one rank settled it as failed (it failed
         before the load) less than ``timeout`` seconds ago and this rank had not arrived
         yet: this rank is late for that load, which the others left at once; it stops too
         rather than wait for them at the next check-in. Told once: its next call is a new
-        load. One store look-up on the success path."""
+        load. One store look-up on the success path.
+
+        A rank's own failure (``own``) may be a call it made alone: None if that rank
+        withdrew it (:meth:`_fate`): this rank's load is its next one. ``failing``: this
+        rank fails too; it joins that failure without waiting."""
         if gen == 0:
             return None
         prev = f"{base}/{gen - 1}"
@@ -459,8 +488,37 @@ class Group:
         verdict = json.loads(state) if state.startswith("{") else {}
         if "failed" not in verdict or time.time() - float(verdict.get("at", 0)) > timeout:
             return None
+        if "own" in verdict and not failing and self._fate(store, prev, timeout) == "void":
+            return None
         store.set(mine, json.dumps(_whoami()))
         return verdict["failed"]
+
+    def _fate(self, store, key: str, timeout: float) -> str:
+        """(this rank, at check-in ``key``, which another rank's own call failing settled)
+        Whether that failure is this rank's load's ("raise") or was a call the failed rank
+        made alone, withdrawn at its next check-in ("void"). Waits at most
+        :data:`_RETURN_GRACE` seconds for the failed rank to come back (never longer than
+        ``timeout``); whichever decides first (that rank's withdrawal, or the first rank
+        whose wait ends) decides for everyone."""
+        deadline = time.monotonic() + min(_RETURN_GRACE, timeout)
+        while not store.check([f"{key}/fate"]) and time.monotonic() < deadline:
+            time.sleep(_FATE_POLL)
+        return store.compare_set(f"{key}/fate", "", "raise").decode()
+
+    def _withdraw(self, store, base: str, gen: int) -> None:
+        """(the rank whose own call failing settled check-in ``gen - 1``) It is back, at its
+        next load: withdraw that failure from ranks that have not taken it yet (:meth:`_fate`),
+        so that a call it made alone does not fail the next load of the others. Ranks that
+        took it already ("raise") keep it: that was their load."""
+        if gen == 0:
+            return
+        prev = f"{base}/{gen - 1}"
+        if not store.check([f"{prev}/state"]) or store.check([f"{prev}/fate"]):
+            return
+        state = store.get(f"{prev}/state").decode()
+        verdict = json.loads(state) if state.startswith("{") else {}
+        if verdict.get("own") == self.global_rank:
+            store.compare_set(f"{prev}/fate", "", "void")
 
     @staticmethod
     def _previous_missing(store, base: str, gen: int) -> list:
@@ -488,12 +546,18 @@ def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
                                    {int(r): m for r, m in failure["failures"].items()})
 
 
-def tell_failed(groups: Sequence[Group], error: BaseException) -> None:
+def tell_failed(groups: Sequence[Group], error: BaseException, timeout: Optional[float] = None) -> None:
     """(this rank alone, through the stores) This rank's call to a load failed before its
     check-in (a bad argument, a group it is not in, its module): settle the check-in of
     each of its groups as failed, with ``error`` as the reason, so that every other rank
     raises it at once instead of waiting ``arrival_timeout`` for a rank that is not
-    coming. Waits for no one; never raises (the caller raises ``error`` itself)."""
+    coming. ``timeout``: the caller's ``arrival_timeout`` (else the environment's, else the
+    default; also where the caller's value is what failed). Waits for no one; never raises
+    (the caller raises ``error`` itself)."""
+    try:
+        timeout = arrival_timeout(timeout)
+    except Exception:  # noqa: BLE001  (the caller's arrival_timeout= may be what failed)
+        timeout = DEFAULT_ARRIVAL_TIMEOUT
     failure = None
     for g in groups:
         if not (g.active and g.size > 1):
@@ -506,7 +570,7 @@ def tell_failed(groups: Sequence[Group], error: BaseException) -> None:
                                   "every rank.",
                        "failures": {str(me): reason}}
         try:
-            g.check_in(DEFAULT_ARRIVAL_TIMEOUT, failure)
+            g.check_in(timeout, failure, own=True)
         except Exception as e:  # noqa: BLE001  (the store is gone too: the others find out by their timeout)
             logger.debug("oneload: could not tell the %s group that rank %s failed: %s", g.role, g.global_rank, e)
 
@@ -569,7 +633,9 @@ def settle(groups: Sequence[Group], error: Optional[BaseException], what: str) -
     lines = "\n".join(f"  rank {r}: {failures[str(r)]}" for r in ranks[:shown])
     if len(ranks) > shown:
         lines += f"\n  ... and {len(ranks) - shown} more rank(s)"
-    raise DistributedLoadError(
+    settled = DistributedLoadError(
         f"{what} failed on {len(ranks)} rank(s) ({cap_list(ranks)}); every rank stops here.\n{lines}",
         {r: failures[str(r)] for r in ranks},
-    ) from (None if isinstance(error, PeerFailure) else error)
+    )
+    settled.settled = True  # every rank raises it: none needs telling that this one left (_engine)
+    raise settled from (None if isinstance(error, PeerFailure) else error)

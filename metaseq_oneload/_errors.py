@@ -72,6 +72,22 @@ class DistributedLoadError(OneloadError):
         self.failures = dict(failures or {})
 
 
+class OutOfResourcesError(OneloadError, MemoryError):
+    """The machine ran out of memory or threads while reading (a ``MemoryError``, a thread
+    that could not start, an allocator that refused): neither the file's fault nor a bug.
+    Still a ``MemoryError``, for callers that catch one. The original is the ``__cause__``."""
+
+
+class OptionError(OneloadError, ValueError):
+    """An option's value cannot be used (a chunk of 0 MiB, a negative tolerance, no jobs).
+    Raised before anything is read or written; a ValueError too, as a bad argument is."""
+
+
+class MissingRemoteExtraError(OneloadError, ImportError):
+    """A URL was given, and fsspec or its protocol's package is not installed: a refusal
+    (the command line's exit 2), an ImportError too for callers that catch that."""
+
+
 class RemoteStoreError(OneloadError):
     """An object store (or a proxy, cache or CDN in front of it) answered a ranged read
     with something else than the bytes asked for: the whole object, another range, a body
@@ -107,6 +123,10 @@ def os_error_message(e: OSError, path: "str | os.PathLike | None" = None, doing:
     if code == errno.EIO:
         return (f"{where}: input/output error while trying to {doing} it: the disk or network file system failed. "
                 "Check the storage (dmesg, the mount) and try again.")
+    if code == errno.ENOMEM:
+        return (f"{where}: this machine ran out of memory or threads while trying to {doing} it ({e.strerror}); "
+                "the file is not at fault. Free memory or run fewer processes at once, or raise this process's "
+                "limits (ulimit -v, the container's or job's memory limit), and try again.")
     reason = e.strerror or str(e) or type(e).__name__
     return f"{where}: cannot {doing} the file ({reason}). Check that it can be {done} (ls -l, cat) and try again."
 
@@ -121,10 +141,38 @@ def unreadable(path: "str | os.PathLike", e: OSError) -> CheckpointLayoutError:
 
 
 # What a reader raises when the bytes or the objects it reads are not what it expects:
-# errors of the data, not of the caller. (torch raises RuntimeError for what it cannot
-# read; a OneloadError is a RuntimeError too and passes through untouched.)
+# errors of the data, not of the caller. Not RuntimeError (torch's loader's are turned into
+# ours where it is called, in _reading; any other is ours to fix: a bug, CLI exit 3), not
+# MemoryError (the machine's, see resource_problem). TypeError and AttributeError stay: a
+# header field of the wrong type raises them in the code that reads it.
 _MALFORMED = (ValueError, TypeError, AttributeError, LookupError, RecursionError, EOFError, ArithmeticError,
-              MemoryError, RuntimeError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError)
+              struct.error, zipfile.BadZipFile, pickle.UnpicklingError)
+
+
+def resource_problem(e: BaseException) -> "str | None":
+    """What ran out, where ``e`` is the machine running short (memory, threads) rather than
+    a file's fault or a bug; else None."""
+    if isinstance(e, OutOfResourcesError):
+        return None  # already said
+    if isinstance(e, MemoryError):
+        return f"memory (MemoryError{': ' + str(e) if str(e) else ''})"
+    if isinstance(e, RuntimeError) and not isinstance(e, OneloadError):
+        text = str(e)
+        if "can't start new thread" in text:
+            return f"threads (RuntimeError: {text})"
+        if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+            return f"memory ({type(e).__name__}: {text[:300]})"
+    return None
+
+
+def out_of_resources(what: str, path: "str | os.PathLike | None" = None) -> OutOfResourcesError:
+    """The error for a machine that ran short (``what``: from :func:`resource_problem`)."""
+    where = f"{os.fsdecode(path)}: " if path is not None else ""
+    return OutOfResourcesError(
+        f"{where}this machine ran out of memory or threads while reading (out of {what}); the file is not at "
+        "fault, and this is not a refusal of it. Free memory or run fewer processes at once, or raise this "
+        "process's limits (ulimit -v for memory, ulimit -u for threads, the container's or job's memory "
+        "limit), and run the command again.")
 
 
 @contextlib.contextmanager
@@ -149,6 +197,11 @@ def reading(path: "str | os.PathLike") -> Iterator[None]:
             "a structure that does not hold together); nothing from it was used. Re-create or re-copy the file. If "
             "torch.load(path, weights_only=True) reads it as the checkpoint you expect, this is a bug in "
             "metaseq-oneload: please report it with the traceback (CLI: --debug).") from e
+    except (MemoryError, RuntimeError) as e:  # the machine's, or a bug (after _MALFORMED: RecursionError is one)
+        what = resource_problem(e)
+        if what is None:
+            raise
+        raise out_of_resources(what, path) from e
 
 
 def cap_list(items, n: int = 5, fmt=str, sep: str = ", ") -> str:

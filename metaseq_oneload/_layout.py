@@ -474,7 +474,7 @@ def model_args_of(header: Any) -> ModelArgs:
     ``unresolved``. Empty where there are none."""
     if not isinstance(header, Mapping):
         return ModelArgs()
-    for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
+    for candidate in (_get(_get(header, "cfg"), "model"), _get(header, "args")):
         if candidate is None:
             continue
         out, unknown = {}, {}

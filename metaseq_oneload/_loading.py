@@ -62,7 +62,7 @@ import torch.distributed as dist
 from ._dist import Group, PeerFailure, arrival_timeout, arrive, clip, first_failure, settle, tell_failed, tell_left
 from ._exchange import (cached_nodes, chunk_bytes_for, exchange_loop, node_key, overlap, page_cache_view, plan_exchange,
                         private_nodes)
-from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError,
+from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OptionError, StateDictMismatchError,
                       cap_list)
 from ._layout import CheckpointLayout, StoredTensor
 from .formats import adopt, discover, to_wire
@@ -144,7 +144,7 @@ class _Options:
     rules: Optional[Mapping] = None
     dtype: Optional[torch.dtype] = None
     progress: "Optional[bool] | Callable[[int], None]" = None
-    arrival_timeout: Optional[float] = None  # seconds; None: $METASEQ_ONELOAD_ARRIVAL_TIMEOUT or 120
+    arrival_timeout: Optional[float] = None  # seconds; None: $METASEQ_ONELOAD_ARRIVAL_TIMEOUT or 300
 
     def __post_init__(self):
         object.__setattr__(self, "arrival_timeout", arrival_timeout(self.arrival_timeout))
@@ -161,10 +161,6 @@ class _Options:
     def chunk_bytes(self) -> int:
         return max(1 << 16, int(self.chunk_mb * (1 << 20)))
 
-
-class OptionError(OneloadError, ValueError):
-    """An option's value cannot be used (a chunk of 0 MiB, a negative tolerance, no jobs).
-    Raised before anything is read or written; a ValueError too, as a bad argument is."""
 
 
 # How each numeric option is checked, wherever it is taken (load, plan, convert, verify,
@@ -658,8 +654,7 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
                 elif k in posts:
                     handles.append(dist.irecv(posts[k], src=dp.global_of(0), group=dp.group, tag=tag + k))
             tag += len(pieces)
-            for h in handles:
-                h.wait()
+            dp.wait_all(handles)  # a peer that raised out of the load is noticed here too
         if dp.rank != 0:
             try:
                 for out, tmp in landing:
@@ -786,9 +781,12 @@ def _engine(path, dp: Group, mp: Group, opts: _Options, flat: bool, structure_fr
     try:
         return _engine_steps(path, dp, mp, opts, flat, structure_from, make_wants)
     except BaseException as e:
-        # Failures inside a step are settled together; anything else that leaves the load
-        # (an error between steps, an interrupt) must not leave the others in a collective.
-        tell_left((dp, mp), e)
+        # Failures inside a step are settled together (every rank raises the same error:
+        # none is left in a collective, and a peer still in the last gather must not read
+        # "left the load"); anything else that leaves the load (an error between steps, an
+        # interrupt) must not leave the others in a collective.
+        if not getattr(e, "settled", False):
+            tell_left((dp, mp), e)
         raise
 
 
@@ -1141,11 +1139,12 @@ def _groups(process_group, model_parallel_group, no_dist: bool = False) -> tuple
 
 
 def _tell_failed(error: BaseException, process_group, model_parallel_group, no_dist: bool,
-                 module: Optional[torch.nn.Module] = None) -> None:
+                 module: Optional[torch.nn.Module] = None, timeout: Optional[float] = None) -> None:
     """(this rank alone) Its call to a load failed before the check-in: tell the ranks of
     the groups it would have loaded with (as far as its arguments give them; the default
     group, or ``module``'s DTensor mesh, where none is given) so that they stop now, with
-    this rank's reason, instead of waiting ``arrival_timeout`` for it. Never raises."""
+    this rank's reason, instead of waiting ``arrival_timeout`` for it. ``timeout``: the
+    caller's ``arrival_timeout``. Never raises."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if no_dist and process_group is None and model_parallel_group is None:
@@ -1164,7 +1163,7 @@ def _tell_failed(error: BaseException, process_group, model_parallel_group, no_d
             if g is not None:
                 with contextlib.suppress(Exception):
                     groups.append(Group(g, role))
-    tell_failed(groups, error)
+    tell_failed(groups, error, timeout)
 
 
 def state_dict_wants(targets: Mapping[str, TargetTensor], structure: Optional[FlatStructure], flat: bool,
@@ -1232,7 +1231,7 @@ def load_checkpoint(
                         arrival_timeout=arrival_timeout)
         dp, mp = _groups(process_group, model_parallel_group, no_dist)
     except BaseException as e:
-        _tell_failed(e, process_group, model_parallel_group, no_dist)
+        _tell_failed(e, process_group, model_parallel_group, no_dist, timeout=arrival_timeout)
         raise
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     meta: dict = {}
@@ -1301,7 +1300,7 @@ def load_state_dict(
         progress: show a progress bar (default: on a terminal, rank 0, loads >= 256 MiB), or
             a callable that receives the number of bytes after each piece lands.
         arrival_timeout: seconds every rank waits, at the start, for the others to reach the
-            load (default: ``$METASEQ_ONELOAD_ARRIVAL_TIMEOUT``, else 120). A rank that never
+            load (default: ``$METASEQ_ONELOAD_ARRIVAL_TIMEOUT``, else 300). A rank that never
             comes (it failed earlier and went on) makes every rank that did raise
             :class:`DistributedLoadError` naming it, instead of waiting in a collective for
             the process group's timeout. A rank whose call fails before the check-in (a bad
@@ -1450,7 +1449,7 @@ def load_into(
             module, process_group, model_parallel_group, strategy, device, bucket_mb, chunk_mb, verify, qkv, rules,
             trust_pickle, progress, arrival_timeout, no_dist)
     except BaseException as e:
-        _tell_failed(e, process_group, model_parallel_group, no_dist, module)
+        _tell_failed(e, process_group, model_parallel_group, no_dist, module, timeout=arrival_timeout)
         raise
     post: list = []
     unloaded: list = []

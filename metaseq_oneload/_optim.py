@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ._errors import OneloadError
-from ._layout import CheckpointLayout, StoredTensor
+from ._layout import CheckpointLayout, StoredTensor, raw_keys
 from ._plan import FlatGroup, FlatStructure, TargetTensor, plan_part
 from ._reading import Extent, key_path, read_header, storage_byte_offset
 from ._writing import Piece
@@ -392,14 +392,15 @@ def carry_extra_state(extra: Any, *, same_parts: bool, same_weights: bool) -> tu
     if not isinstance(extra, Mapping):
         return extra, ()
     drop, notes = [], []
+    keys = raw_keys(extra)  # a DictConfig's `in` resolves the value it finds
     if not same_parts:
-        found = [k for k in MODEL_PARALLEL_EXTRAS if k in extra]
+        found = [k for k in MODEL_PARALLEL_EXTRAS if k in keys]
         if found:
             drop += found
             notes.append(f"extra_state[{found[0]!r}] dropped: one RNG state per model-parallel rank, and the "
                          "model-parallel size changes (metaseq seeds the tracker afresh)")
     if not same_weights:
-        found = [k for k in WEIGHTS_EXTRAS if k in extra]
+        found = [k for k in WEIGHTS_EXTRAS if k in keys]
         if found:
             drop += found
             notes.append(f"extra_state {', '.join(found)} dropped: the EMA copy is laid out like the saved weights "

@@ -338,6 +338,12 @@ def _central_directory(fd: int, size: int, path: str) -> tuple:
 # deflate's densest code (a 258-byte match in about 2 bits) bounds what a stream can inflate to
 _DEFLATE_RATIO = 1032
 _DEFLATE_SLACK = 1 << 10
+# A record read into memory whole (the pickle, byteorder: every record but the storages
+# under data/) inflates to at most max(64 MiB, 64 x its compressed bytes): torch.save's
+# pickles are at most tens of MB (11 MB for 40,000 optimizer entries) and deflate 3-10:1,
+# where 1 GiB of zeros after a pickle's STOP deflates 1032:1 into a 1 MB file.
+_INFLATED_CAP = 64 << 20
+_INFLATED_RATIO = 64
 
 
 def _check_sizes(path: str, name: str, method: int, csize: int, usize: int, hoff: int, size: int) -> None:
@@ -392,6 +398,14 @@ def _parse_zip(path: str) -> ZipIndex:
                 # inflates into it (and hands back what it did not fill where the stream stops)
                 raise _bad_zip(path, f"record {name} claims to inflate to {usize} bytes from {csize} compressed "
                                      f"bytes, more than deflate can produce ({_DEFLATE_RATIO}:1)")
+            cap = max(_INFLATED_CAP, _INFLATED_RATIO * csize)
+            if method == 8 and not short.startswith("data/") and usize > cap:
+                # read into memory whole (by torch's reader too): refused before anything is inflated
+                raise _bad_zip(path, f"record {name} declares {usize} bytes once inflated, from {csize} compressed "
+                                     f"bytes; a record read whole into memory (the pickle) may declare at most "
+                                     f"{cap} (64 MiB, or {_INFLATED_RATIO} times its compressed size): torch.save's "
+                                     "pickles are at most tens of MB and deflate a few times, so this one was "
+                                     "padded or crafted")
             local = _pread_exact(fd, hoff, _LOCAL.size, path, f"the local header of {name}")
             if local[:4] != b"PK\x03\x04":
                 raise _bad_zip(path, f"the central directory places {name} at byte {hoff}, "
@@ -416,9 +430,11 @@ def _parse_zip(path: str) -> ZipIndex:
         _storage.close(fd)
 
 
-def _record_bytes(fd: int, rec: ZipRecord, path: str, folder: str = "") -> bytes:
+def _record_bytes(fd: int, rec: ZipRecord, path: str, folder: str = "") -> "bytes | bytearray":
     """(local) A small record's bytes (the pickle, byteorder), never more than its directory
-    entry declares: a stream that would inflate past it stops there and is refused."""
+    entry declares: a stream that would inflate past it stops there and is refused. A
+    deflated record comes back as the bytearray it was inflated into (declared sizes capped
+    in :func:`_parse_zip`); read it through :func:`._unpickle.stream`, which copies nothing."""
     label = f"{folder}/{rec.name}" if folder else rec.name
     if rec.method == 8:
         return _inflate_exact(fd, rec, path, keep=True, label=label)
@@ -431,10 +447,10 @@ def _record_bytes(fd: int, rec: ZipRecord, path: str, folder: str = "") -> bytes
 _INFLATE_STEP = 4 << 20
 
 
-def _inflate_exact(fd: int, rec: ZipRecord, path: str, *, keep: bool, label: str = "") -> Optional[bytes]:
+def _inflate_exact(fd: int, rec: ZipRecord, path: str, *, keep: bool, label: str = "") -> Optional[bytearray]:
     """(local) Inflate a deflated record, refusing a stream that does not end exactly at the
-    record's declared size within its compressed bytes. Memory: the output when ``keep``
-    (bounded by the declared size, whatever the stream holds), else a few MiB.
+    record's declared size within its compressed bytes. Memory: when ``keep``, one buffer of
+    the declared size that the stream is inflated into (no second copy), else a few MiB.
 
     torch's reader inflates into a buffer of the declared size and, where the stream stops
     early or runs on, hands back that buffer without a word: its unfilled bytes are whatever
@@ -442,7 +458,8 @@ def _inflate_exact(fd: int, rec: ZipRecord, path: str, *, keep: bool, label: str
     """
     label = label or rec.name
     d = zlib.decompressobj(-15)
-    out, done, pos, end = [], 0, rec.data_offset, rec.data_offset + rec.compressed_size
+    out = bytearray(rec.size) if keep else None
+    done, pos, end = 0, rec.data_offset, rec.data_offset + rec.compressed_size
     pending = b""
     try:
         while not d.eof and done <= rec.size:
@@ -456,9 +473,9 @@ def _inflate_exact(fd: int, rec: ZipRecord, path: str, *, keep: bool, label: str
             # past the declared size (enough to see a stream that goes on)
             piece = d.decompress(pending, min(_INFLATE_STEP, rec.size + 1 - done))
             pending = d.unconsumed_tail
+            if keep and done + len(piece) <= rec.size:
+                out[done:done + len(piece)] = piece
             done += len(piece)
-            if keep:
-                out.append(piece)
     except zlib.error as e:
         raise _bad_zip(path, f"record {label} does not inflate ({e})") from None
     if done > rec.size:
@@ -469,7 +486,7 @@ def _inflate_exact(fd: int, rec: ZipRecord, path: str, *, keep: bool, label: str
                              f"(its {rec.compressed_size} compressed bytes hold no end of stream)")
     if done != rec.size:
         raise _bad_zip(path, f"record {label} holds {done} bytes, its directory entry says {rec.size}")
-    return b"".join(out) if keep else None
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -571,7 +588,7 @@ class _StorageRefScanner(pickle.Unpickler):
     of the file's runs) to see its persistent ids, in the order torch's loader meets them."""
 
     def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data))
+        super().__init__(_unpickle.stream(data))
         self.pids: list = []
 
     def find_class(self, module, name):
@@ -592,7 +609,7 @@ class _DictMemoScanner(pickle._Unpickler):
     persistent_load = _StorageRefScanner.persistent_load
 
     def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data))
+        super().__init__(_unpickle.stream(data))
         self.pids: list = []
 
 
@@ -678,6 +695,96 @@ def _walk_tensors(obj: Any, file: str = "the checkpoint", path: tuple = (), seen
         if depth + sub > _unpickle.MAX_DEPTH:
             raise _unpickle.too_deep_error(file, list(path))
         heights[id(obj)] = 1 + sub
+
+
+# Where a checkpoint may keep an OmegaConf config: its top-level ``cfg`` and ``args``, read
+# raw everywhere (``_layout.raw_get``). Anywhere else every ``.get``, ``in``, ``.values()``
+# on a DictConfig resolves the interpolations the file chose, and the tensor walk does not
+# enter one.
+_CONFIG_KEYS = ("cfg", "args")
+
+
+def _omegaconf_node() -> Optional[type]:
+    try:
+        from omegaconf.base import Node
+    except ImportError:  # without omegaconf no pickle can rebuild one
+        return None
+    return Node
+
+
+def _where(chain: Any) -> str:
+    keys: list = []
+    while chain is not None:
+        chain, k = chain
+        keys.append(str(k))
+    return ".".join(reversed(keys))
+
+
+def _check_configs(path: str, obj: Any) -> None:
+    """(local) Refuse an OmegaConf container or node anywhere in a header but under the
+    top-level ``cfg``/``args`` (a top-level DictConfig, a DictConfig state dict or
+    ``extra_state``, one deep in a list), and a tensor or storage inside an OmegaConf
+    container anywhere. Walked without resolving (each node's own stored value), each object
+    once per context, iteratively (no recursion, nothing copied per level)."""
+    node_type = _omegaconf_node()
+    if node_type is None:
+        return
+    if isinstance(obj, node_type):
+        raise CheckpointLayoutError(
+            f"{path}: its top level is an OmegaConf {type(obj).__name__}; expected a dict (a training "
+            "checkpoint's 'model', 'cfg', 'extra_state', ... or a state dict of tensors), as torch.save writes "
+            "one. Reading an OmegaConf container resolves the interpolations (${...}) the file chose, which can "
+            "run code, so nothing of it was used. If you trust the file, torch.load(path, weights_only=False) "
+            "reads it: re-save it as a plain dict (OmegaConf.to_container(..., resolve=False)).")
+    seen: set = set()
+    # (object, key chain, under cfg/args, inside an OmegaConf container)
+    stack: list = []
+    if isinstance(obj, dict):
+        stack += [(v, (None, k), isinstance(k, str) and k in _CONFIG_KEYS, False) for k, v in obj.items()]
+        stack += [(k, (None, "<key>"), False, False) for k in obj if not isinstance(k, (str, int))]
+    else:
+        stack.append((obj, None, False, False))
+    while stack:
+        x, chain, in_cfg, in_oc = stack.pop()
+        if x is None or isinstance(x, (str, bytes, int, float, bool)):
+            continue
+        if isinstance(x, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            if in_oc:
+                raise CheckpointLayoutError(
+                    f"{path}: {_where(chain)}: a tensor inside an OmegaConf config; a config holds settings, "
+                    "not tensors, and a tensor there is never checked against the file's records. The file was "
+                    "crafted or built wrongly: re-save it with the tensor outside the config (torch.load(path, "
+                    "weights_only=False) reads it, if you trust the file).")
+            continue
+        state = (id(x), in_cfg, in_oc)
+        if state in seen:
+            continue
+        seen.add(state)
+        if isinstance(x, node_type):
+            if not in_cfg:
+                raise CheckpointLayoutError(
+                    f"{path}: the value at {_where(chain)} is an OmegaConf {type(x).__name__}; expected a dict, "
+                    "list or tensor, as torch.save writes a training checkpoint: only the top-level 'cfg' and "
+                    "'args' may be OmegaConf configs (they are read raw). Reading this one resolves the "
+                    "interpolations (${...}) the file chose, which can run code, so nothing of it was used. If "
+                    "you trust the file, torch.load(path, weights_only=False) reads it: re-save that entry as a "
+                    "plain dict or list (OmegaConf.to_container(..., resolve=False)).")
+            raw = vars(x)  # the node's own fields: never a property, never resolved
+            content = raw.get("_content", raw.get("_val"))
+            if isinstance(content, dict):
+                stack += [(v, (chain, k), in_cfg, True) for k, v in content.items()]
+            elif isinstance(content, (list, tuple)):
+                stack += [(v, (chain, i), in_cfg, True) for i, v in enumerate(content)]
+            elif content is not None and not isinstance(content, str):
+                stack.append((content, chain, in_cfg, True))
+            continue
+        if isinstance(x, dict):
+            stack += [(v, (chain, k), in_cfg, in_oc) for k, v in x.items()]
+            stack += [(k, (chain, "<key>"), in_cfg, in_oc) for k in x if not isinstance(k, (str, int))]
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack += [(v, (chain, i), in_cfg, in_oc) for i, v in enumerate(x)]
+        elif isinstance(x, argparse.Namespace):
+            stack += [(v, (chain, k), in_cfg, in_oc) for k, v in vars(x).items()]
 
 
 def _untyped(x: Any) -> torch.UntypedStorage:
@@ -823,11 +930,14 @@ def _torch_load(path: str, *, trust_pickle: bool, archive: Optional[tuple] = Non
     whose messages say what is wrong.
     """
     if archive is None:
-        return _load_with_torch(path, trust_pickle=trust_pickle, **kwargs)
+        obj = _load_with_torch(path, trust_pickle=trust_pickle, **kwargs)
+        _check_configs(path, obj)
+        return obj
     obj, problem = (None, None) if trust_pickle else _unpickle.header(path, *archive)
-    if obj is not None:
+    if obj is not None:  # (the one pass hands every omegaconf object to torch's loader)
         return obj
     obj = _load_with_torch(path, trust_pickle=trust_pickle, **kwargs)
+    _check_configs(path, obj)
     _check_zip(path, obj, *archive)
     if problem:  # the one pass found what torch's loader and the checks above let through
         raise CheckpointLayoutError(f"{path}: {problem}; torch.load would read wrong bytes or refuse it. The "

@@ -59,7 +59,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._errors import OneloadError, RemoteObjectChangedError, RemoteStoreError
+from ._errors import MissingRemoteExtraError, OneloadError, RemoteObjectChangedError, RemoteStoreError
 
 __all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget"]
 
@@ -197,11 +197,6 @@ def pin(url: str, size: int, version: str) -> None:
 
 
 # --------------------------------------------------------------------------- fsspec
-
-
-class MissingRemoteExtraError(OneloadError, ImportError):
-    """A URL was given, and fsspec or its protocol's package is not installed: a refusal
-    (the command line's exit 2), an ImportError too for callers that catch that."""
 
 
 def _missing_fsspec(url: str, e: ImportError) -> ImportError:
@@ -565,17 +560,22 @@ async def _s3_ranged(fs, url: str, path: str, offset: int, n: int, st: Stat) -> 
         if hop is not None:
             raise hop
         status = int(meta.get("HTTPStatusCode") or 0)
-        if status != 206:
+        length = resp.get("ContentLength")
+        if status == 200 and _whole_pinned(resp, offset, n, st):
+            # a range that covers the whole object: some S3-compatible servers and CDNs
+            # answer 200 with the whole object; it is the bytes asked for, of the pinned version
+            pass
+        elif status != 206:
             raise _wrong(url, offset, n, f"answered HTTP {status}, not 206 (Partial Content): "
                          f"{'it ignored the Range header and sent the whole object' if status == 200 else 'no range'}")
-        got_range = str(resp.get("ContentRange") or "")
-        m = _CONTENT_RANGE.match(got_range)
-        if m is None or (int(m.group(1)), int(m.group(2))) != (offset, offset + n - 1):
-            raise _wrong(url, offset, n, f"sent Content-Range {got_range or '(none)'}; asked for bytes "
-                         f"{offset}-{offset + n - 1}")
-        if m.group(3) != "*" and int(m.group(3)) != st.size:
-            raise _changed(url, st, f"the store answers for an object of {m.group(3)} bytes")
-        length = resp.get("ContentLength")
+        else:
+            got_range = str(resp.get("ContentRange") or "")
+            m = _CONTENT_RANGE.match(got_range)
+            if m is None or (int(m.group(1)), int(m.group(2))) != (offset, offset + n - 1):
+                raise _wrong(url, offset, n, f"sent Content-Range {got_range or '(none)'}; asked for bytes "
+                             f"{offset}-{offset + n - 1}")
+            if m.group(3) != "*" and int(m.group(3)) != st.size:
+                raise _changed(url, st, f"the store answers for an object of {m.group(3)} bytes")
         if length is not None and int(length) != n:
             raise _wrong(url, offset, n, f"announced {length} bytes for that range; asked for {n}")
         data = bytearray()
@@ -589,6 +589,17 @@ async def _s3_ranged(fs, url: str, path: str, offset: int, n: int, st: Stat) -> 
         return bytes(data)
     finally:
         body.close()
+
+
+def _whole_pinned(resp: dict, offset: int, n: int, st: Stat) -> bool:
+    """Whether a 200 answers a ranged read as a 206 would: the range asked for is the whole
+    object (from byte 0, its pinned size), the answer announces exactly that many bytes, and
+    it is the pinned version (its ETag, or its version id where the pin is one)."""
+    if offset != 0 or n != st.size or resp.get("ContentLength") is None or int(resp["ContentLength"]) != n:
+        return False
+    if st.etag:
+        return str(resp.get("ETag") or "") == st.etag
+    return bool(st.version_id) and str(resp.get("VersionId") or "") == st.version_id
 
 
 def _note_redirect(http_response=None, parsed=None, **_):

@@ -99,6 +99,31 @@ for _op, _n in ((pickle.NEWOBJ, 0), (pickle.REDUCE, 0), (pickle.BUILD, 0), (pick
 _U32 = struct.Struct("<I").unpack_from
 
 
+class _View(io.RawIOBase):
+    """A read-only file over a buffer, which it never copies whole."""
+
+    def __init__(self, data):
+        self._mv, self._pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._mv) - self._pos))
+        b[:n] = self._mv[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def stream(data) -> io.BufferedIOBase:
+    """A file over a pickle's bytes for an unpickler: ``bytes`` as they are (BytesIO shares
+    them), any other buffer (the bytearray an inflated record fills) without the copy BytesIO
+    would make of it."""
+    if type(data) is bytes:
+        return io.BytesIO(data)
+    return io.BufferedReader(_View(data), 1 << 20)
+
+
 def _torch_opcodes_only(data: bytes) -> bool:
     """Whether ``data`` holds only opcodes torch's loader reads, and no memo index past its
     own length: the C unpickler grows its memo array to twice the largest index and clears
@@ -546,7 +571,7 @@ class _HeaderUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` (C) under torch's ``weights_only`` allowlist, tensors as stubs."""
 
     def __init__(self, data: bytes, allowed: dict):
-        super().__init__(io.BytesIO(data), encoding="utf-8")  # torch.load's encoding
+        super().__init__(stream(data), encoding="utf-8")  # torch.load's encoding
         self.allowed = allowed
         self.storages: dict = {}  # key -> _Storage, in first-use order
         self.stubs: list = []

@@ -452,7 +452,11 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str
 def write_json(path: str, obj: Any) -> None:
     """(local) A small JSON file, fsync'd (the sidecar of a safetensors file); ``path`` as
     for :func:`write_torch`."""
-    data = json.dumps(obj, indent=1, sort_keys=False).encode()
+    _write_synced(path, json.dumps(obj, indent=1, sort_keys=False).encode())
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    """(local) ``data`` into a new file at ``path`` (:func:`_open_for_writing`), fsync'd."""
     fd = _open_for_writing(path)
     try:
         _pwrite_all(fd, memoryview(data), 0)
@@ -477,12 +481,7 @@ def replace_file(final: str, data: bytes, *, what: str = "file") -> None:
     except OSError as e:
         raise destination_error(final, e, f"cannot create the temporary file of the {what}") from e
     try:
-        fd = _open_for_writing(tmp)
-        try:
-            _pwrite_all(fd, memoryview(data), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(tmp, data)
         os.replace(tmp, final)
     except BaseException as e:
         with contextlib.suppress(OSError):

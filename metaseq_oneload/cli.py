@@ -6,8 +6,9 @@ stderr, so that stdout stays the report (or the JSON) alone.
 
 Exit codes: 0 done (verify: the checkpoints match); 1 verify: they differ; 2 refused (a
 :class:`~metaseq_oneload.OneloadError`, a bad argument, a file the system would not let us
-read or write), one paragraph on stderr, no traceback; 3 an internal error (a bug: the
-traceback, and a line saying so); 130 interrupted; 141 stdout closed early.
+read or write, a machine that ran out of memory or threads), one paragraph on stderr, no
+traceback; 3 an internal error (a bug: the traceback, and a line saying so); 130
+interrupted; 141 stdout closed early.
 
 The parser, ``--help`` and ``--version`` import nothing heavy: every subcommand's flags are
 declared here, and the modules that import torch are imported only when a command runs.
@@ -21,7 +22,7 @@ import sys
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from . import __version__
-from ._errors import OneloadError, os_error_message
+from ._errors import OneloadError, os_error_message, out_of_resources, resource_problem
 
 __all__ = ["main", "build_parser"]
 
@@ -484,6 +485,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001  (not a refusal: a bug; its traceback is what a report needs)
         if args.debug:
             raise
+        short = resource_problem(e)
+        if short is not None:  # the machine ran short outside a file's reading: not a bug either
+            message = str(out_of_resources(short))
+            if args.json:
+                print(json.dumps({"error": message, "type": "OutOfResourcesError"}))
+            print(f"metaseq-oneload {args.command}: error: {message}", file=sys.stderr)
+            return 2
         import traceback
 
         traceback.print_exc()

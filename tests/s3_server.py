@@ -21,6 +21,7 @@ import http.server
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -60,6 +61,7 @@ class _Counters:
         self.mode_after = 0  # ranged GETs passed through untouched first
         self.mode_left = 0  # ranged GETs to misbehave on
         self.misbehaved = 0
+        self.whole_as_200 = 0  # whole-object ranges answered 200 (mode whole_as_200)
         self.swap = None  # (key, ranged GETs before the swap, local file with the new bytes)
         self.swapped = 0
 
@@ -134,17 +136,26 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
         resp = conn.getresponse()
         data = resp.read()
         conn.close()
+        status, drop = resp.status, set()
         if mode == "short_body":
             data = data[:-7]
         elif mode == "long_body":
             data = data + b"\0" * 7
+        elif mode == "whole_as_200" and status == 206:
+            # as some S3-compatible servers and CDNs do: a range that covers the whole object
+            # is answered 200, without Content-Range (the body is the whole object)
+            m = re.match(r"bytes 0-(\d+)/(\d+)$", resp.getheader("Content-Range") or "")
+            if m and int(m.group(1)) + 1 == int(m.group(2)):
+                status, drop = 200, {"content-range"}
+                with c.lock:
+                    c.whole_as_200 += 1
         if self.command == "GET":
             with c.lock:
                 c.body_bytes += len(data)
                 c.bytes_by_key[key] = c.bytes_by_key.get(key, 0) + len(data)
-        self.send_response(resp.status)
+        self.send_response(status)
         for k, v in resp.getheaders():
-            if k.lower() not in _HOP and k.lower() != "content-length":
+            if k.lower() not in _HOP and k.lower() != "content-length" and k.lower() not in drop:
                 self.send_header(k, v)
         self.send_header("Content-Length", str(len(data) if self.command != "HEAD" else resp.getheader("Content-Length") or 0))
         self.end_headers()
@@ -173,7 +184,7 @@ def _put(upstream: tuple, key: str, data: bytes) -> None:
 def _control(handler: _Proxy, parsed) -> None:
     """/__proxy__/counters (GET: JSON), /__proxy__/reset, /__proxy__/fail?n=K,
     /__proxy__/misbehave?mode=M[&key=/bucket/key][&after=N][&n=K] (M: ignore_range,
-    other_range, short_body, long_body, redirect; an empty M stops),
+    other_range, short_body, long_body, redirect, whole_as_200; an empty M stops),
     /__proxy__/swap?key=/bucket/key&after=N&src=LOCAL_FILE."""
     c = handler.counters
     q = {k: v[0] for k, v in urllib.parse.parse_qs(parsed.query).items()}
@@ -257,7 +268,9 @@ class S3Endpoint:
         """Answer ranged GETs (of ``key``, after ``after`` good ones, ``n`` of them) wrongly:
         ``ignore_range`` (200, the whole object), ``other_range`` (206 for a range 16 bytes
         off, saying so), ``short_body``/``long_body`` (7 bytes fewer/more under the right
-        Content-Range), ``redirect`` (307 to the store itself); ``""`` behaves again."""
+        Content-Range), ``redirect`` (307 to the store itself), ``whole_as_200`` (200 without
+        Content-Range for a range that covers the whole object, as some S3-compatible servers
+        and CDNs answer; other ranges pass); ``""`` behaves again."""
         q = urllib.parse.urlencode({"mode": mode, "key": key, "after": after, "n": n})
         self._ctl(f"misbehave?{q}")
 

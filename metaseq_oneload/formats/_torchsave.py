@@ -25,8 +25,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from .. import _storage
-from .._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, cap_list as _cap
-from .._layout import CheckpointFile, FileName, FlatParam, ModelPart, StoredTensor
+from .._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OutOfResourcesError,
+                       cap_list as _cap, os_error_message)
+from .._layout import CheckpointFile, FileName, FlatParam, ModelPart, StoredTensor, _omegaconf_types
 from .._reading import (NOT_TORCH_IN_A_SET, Extent, _file_kind, key_path, range_readable, read_header,
                         storage_byte_offset)
 
@@ -170,6 +171,8 @@ def _scan(directory: str, problems: Optional[list] = None) -> list:
             "(ls -ld) or run as a user who can read the checkpoint."
         ) from None
     except OSError as e:
+        if e.errno == errno.ENOMEM:  # the machine's, not the folder's
+            raise OutOfResourcesError(os_error_message(e, directory, doing="list")) from e
         raise CheckpointLayoutError(f"{directory}: cannot list the folder ({e.strerror or e}).") from e
     entries = []
     for n in names:
@@ -410,12 +413,14 @@ def _resolve_set(path: str) -> _FileSet:
 
 def _container(obj: Any) -> Optional[str]:
     """The key under which ``obj`` keeps its model state dict, "" for a bare state dict, or
-    None if it holds none."""
-    if not isinstance(obj, Mapping):
+    None if it holds none. An OmegaConf container is never one (its ``get`` and ``values``
+    resolve the interpolations the file chose; ``read_header`` refuses such a header)."""
+    if not isinstance(obj, Mapping) or isinstance(obj, _omegaconf_types()):
         return None
     for key in _CONTAINERS:
         model = obj.get(key)
-        if isinstance(model, Mapping) and model and all(isinstance(k, str) for k in model) \
+        if isinstance(model, Mapping) and not isinstance(model, _omegaconf_types()) and model \
+                and all(isinstance(k, str) for k in model) \
                 and all(torch.is_tensor(v) for v in model.values()):
             return key
     if obj and all(isinstance(k, str) for k in obj) and all(torch.is_tensor(v) for v in obj.values()):
@@ -836,16 +841,26 @@ def read_set(path: str, *, trust_pickle: bool = False, resolved: Optional[tuple]
 
 def _check_loadable(f: CheckpointFile, header: Mapping) -> None:
     """(local) Every model tensor of a file can be loaded for what its record holds (see
-    :func:`_check_tensor`)."""
+    :func:`_check_tensor`); the expanded views of one file share one budget."""
     prefix = _container(header)
+    expanded = [0]
     for name, t in _model_dict(header).items():
-        _check_tensor(f.path, f.format, f"{prefix}.{name}" if prefix else name, t)
+        _check_tensor(f.path, f.format, f"{prefix}.{name}" if prefix else name, t, expanded)
 
 
-def _check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor) -> None:
+# What the expanded views of one file may take once loaded (a load gives each as a
+# contiguous copy, where torch.load gives a view of its storage): a broadcast bias or
+# position ids cost a few KB; a 1 MB file must not make a load allocate GBs.
+_EXPANDED_FLOOR = 64 << 20
+_EXPANDED_RATIO = 16
+
+
+def _check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor, expanded: Optional[list] = None) -> None:
     """A load builds each tensor whole (its elements in order), so one that declares more
-    bytes than its file stores for it would be allocated at its declared size before anything
-    could object: refused here, at inspect, instead."""
+    bytes than its file stores for it (an expanded view: torch.load gives a view of its small
+    storage) is allocated at its declared size: loaded as torch.load's values while the
+    file's expanded views (``expanded``: [bytes so far], shared across its tensors) stay
+    within max(64 MiB, 16 x the file's size); past it refused here, at inspect."""
     s = t.untyped_storage()
     dtype = str(t.dtype).replace("torch.", "")
     need = t.numel() * t.element_size()
@@ -856,12 +871,20 @@ def _check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor) -> None:
             "Save the checkpoint from a model whose weights are materialised (not on the meta device).")
     if need > s.nbytes():
         # torch.load returns such a tensor as a view of its small storage; a load here
-        # would allocate every element
-        raise CheckpointLayoutError(
-            f"{path}: tensor {shown}: shape {tuple(t.shape)} stride {tuple(t.stride())} is an expanded view "
-            f"whose {t.numel()} {dtype} elements ({need} bytes) repeat the {s.nbytes()} bytes its record holds; "
-            f"loading it would allocate {need} bytes where torch.load returns a view of {s.nbytes()}. If these "
-            "weights are meant, re-save the tensor with .contiguous(); else leave it out of the state dict.")
+        # allocates every element
+        total = need + (expanded[0] if expanded else 0)
+        budget = max(_EXPANDED_FLOOR, _EXPANDED_RATIO * _storage.getsize(path))
+        if total > budget:
+            raise CheckpointLayoutError(
+                f"{path}: tensor {shown}: shape {tuple(t.shape)} stride {tuple(t.stride())} is an expanded view "
+                f"whose {t.numel()} {dtype} elements ({need} bytes) repeat the {s.nbytes()} bytes its record "
+                f"holds; loading it would allocate {need} bytes where torch.load returns a view of {s.nbytes()}, "
+                f"past the {budget} bytes the expanded views of one file may take (64 MiB, or {_EXPANDED_RATIO} "
+                f"times the file's size{f'; {total - need} taken by the ones before it' if total > need else ''}). "
+                "If these weights are meant, re-save the tensor with .contiguous(); else leave it out of the state "
+                "dict.")
+        if expanded is not None:
+            expanded[0] = total
 
 
 def build_parts(ts: TorchSet) -> tuple:

@@ -10,6 +10,7 @@ note of inspect's report, not a warning: every such writer leaves it), which sav
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -18,7 +19,7 @@ import torch
 from .. import _storage
 from .._errors import CheckpointLayoutError, cap_list
 from .._layout import (CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get, model_args_of,
-                       raw_keys)
+                       raw_get, raw_keys)
 from .._reading import storage_byte_offset
 from . import _index, _torchsave
 
@@ -82,14 +83,14 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
         )
     stale_cfg = _cfg_warnings(files, settings, bool(parts[0].flat_params), name)
     first = ts.first
-    cfg = first.get("cfg") if isinstance(first.get("cfg"), Mapping) else None
+    cfg = raw_get(first, "cfg") if isinstance(raw_get(first, "cfg"), Mapping) else None
     # metaseq's config has a "reshard" section fairseq's lacks; flattened into old-style
     # args it leaves its keys there.
-    args = first.get("args")
+    args = raw_get(first, "args")
     if ((cfg is not None and "reshard" in raw_keys(cfg)) or any(".qkv_proj." in n for n in parts[0].tensors)
             or (args is not None and _get(args, "target_world_size") is not None and _get(args, "do_pad") is not None)):
         flavor = "metaseq"
-    elif first.get("cfg") is not None or first.get("args") is not None:
+    elif raw_get(first, "cfg") is not None or args is not None:
         flavor = "fairseq"
     else:
         flavor = "pytorch"
@@ -115,11 +116,11 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
 def _cfg_value(header: Any, section: str, key: str) -> Any:
     if not isinstance(header, Mapping):
         return None
-    value = _get(_get(header.get("cfg"), section), key)
+    value = _get(_get(_get(header, "cfg"), section), key)
     if value is None:
-        value = _get(_get(header.get("cfg"), "model"), key)
+        value = _get(_get(_get(header, "cfg"), "model"), key)
     if value is None:
-        value = _get(header.get("args"), key)
+        value = _get(_get(header, "args"), key)
     return value
 
 def _settings(header: Any) -> CheckpointSettings:
@@ -159,13 +160,13 @@ def _run_id(header: Any) -> tuple:
     if not isinstance(header, Mapping):
         return ()
     updates = None
-    hist = header.get("optimizer_history")
+    hist = raw_get(header, "optimizer_history")
     if isinstance(hist, (list, tuple)) and hist and isinstance(hist[-1], Mapping):
-        updates = hist[-1].get("num_updates")
-    it = _get(header.get("extra_state"), "train_iterator")
+        updates = _get(hist[-1], "num_updates")
+    it = _get(_get(header, "extra_state"), "train_iterator")
     # The identity this package's own writers (convert, consolidate) put in every file of
     # one output set tells two sets apart even at the same step.
-    save_id = _get(header.get("oneload_save"), "save_id")
+    save_id = _get(_get(header, "oneload_save"), "save_id")
     world = _cfg_value(header, "distributed_training", "distributed_world_size")
     return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"), save_id, world)
 
@@ -176,6 +177,10 @@ def _run_id(header: Any) -> tuple:
 # parallel ranks: equal across the shards of a model part, not across parts), and the train
 # ``loss`` meter (every rank of the save logs the same aggregate) and ``ewm_loss``. Two runs
 # have the same wall-clock time to the last bit only by accident.
+# Within a part's shards previous_training_time is compared exactly. Across parts the loss
+# values come from all-reduces over different data-parallel groups, which may round apart:
+# equal to a relative 1e-6 (a few float32 ulps; two runs differ in the 3rd or 4th digit).
+_ACROSS_PARTS = 1e-6
 
 
 def _scalar(path: str, value: Any) -> Any:
@@ -230,25 +235,35 @@ def _check_one_save(ts: "_torchsave.TorchSet", run_ids: Mapping) -> None:
         return
     extra = {p: _get(ts.headers[p], "extra_state") for p in paths}
 
-    def refuse(what: str, values: Mapping) -> None:
+    def refuse(what: str, values: Mapping, rel_tol: float) -> None:
         groups: dict = {}
         for p, v in values.items():
             groups.setdefault(v, []).append(os.path.basename(p))
         desc = "; ".join(f"{what}={v!r}: {cap_list(names)}" for v, names in list(groups.items())[:5])
+        how = ("to the last bit (one all-reduce gives every rank of a part's data-parallel group the same bits)"
+               if not rel_tol else f"to a relative {rel_tol:g} (each part all-reduces it over its own group, "
+               "which may round apart by less)")
         raise CheckpointLayoutError(
             f"{ts.label}: files of different saves are mixed in one set ({desc}). They agree on the update count "
             f"({run_ids[paths[0]][0]}) and data position, but every rank of one save writes the same {what} "
-            "(an all-reduced value), so these files come from different runs that stopped at the same step. "
-            "Keep only the files written by one save.")
+            f"(an all-reduced value), {how}, so these files come from different runs that stopped at the same "
+            "step. Keep only the files written by one save: move the other run's files out of this folder (no "
+            "option loads files whose all-reduced values disagree as one set).")
 
-    def compare(what: str, files: Sequence[str], read) -> None:
+    def agree(a: Any, b: Any, rel_tol: float) -> bool:
+        if isinstance(a, tuple):
+            return all(agree(x, y, rel_tol) for x, y in zip(a, b))
+        return a == b if not rel_tol else math.isclose(a, b, rel_tol=rel_tol, abs_tol=0.0)
+
+    def compare(what: str, files: Sequence[str], read, rel_tol: float = 0.0) -> None:
         values = {}
         for p in files:
             v = read(p)
             if v is not None and v == v:  # (NaN is no evidence)
                 values[p] = v
-        if len(set(values.values())) > 1:
-            refuse(what, values)
+        first = next(iter(values.values()), None)
+        if any(not agree(first, v, rel_tol) for v in values.values()):
+            refuse(what, values, rel_tol)
 
     for row in ts.files:  # averaged over the data-parallel ranks of one model part
         if len(row) > 1:
@@ -257,7 +272,7 @@ def _check_one_save(ts: "_torchsave.TorchSet", run_ids: Mapping) -> None:
     # The same for every rank of the save: one file per part is enough.
     heads = [row[0].path for row in ts.files]
     if len(heads) > 1:
-        compare("ewm_loss", heads, lambda p: _scalar(p, _get(extra[p], "ewm_loss")))
+        compare("ewm_loss", heads, lambda p: _scalar(p, _get(extra[p], "ewm_loss")), _ACROSS_PARTS)
 
         def loss(p: str) -> Any:
             meter = _train_loss(extra[p])
@@ -266,7 +281,7 @@ def _check_one_save(ts: "_torchsave.TorchSet", run_ids: Mapping) -> None:
             total, count = _scalar(p, _get(meter, "sum")), _scalar(p, _get(meter, "count"))
             return None if total is None or count is None else (total, count)
 
-        compare("train loss meter (sum, count)", heads, loss)
+        compare("train loss meter (sum, count)", heads, loss, _ACROSS_PARTS)
 
 
 def _cfg_warnings(files: Sequence[Sequence[CheckpointFile]], settings: CheckpointSettings, flat: bool,

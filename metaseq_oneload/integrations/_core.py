@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, T
 import torch
 
 from .. import _reading, _storage
-from .._dist import Group, settle
+from .._dist import Group, settle, tell_failed
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
 from .._hydra import OneloadConfig, checkpoint_path, fill_settings, to_config
 from ..formats import discover
@@ -347,6 +347,28 @@ def _locate(path: Any, suffix: str = ""):
         except CheckpointNotFoundError as e:
             first = first or e
     raise first
+
+
+@contextlib.contextmanager
+def _before_load(process_group: Any = None, model_parallel_group: Any = None, unless: tuple = ()):
+    """(this rank alone) This rank's own preparation of a collective load over the groups
+    given (its discovery of the set, :func:`_locate`, a check of the files): an error raised
+    in the block tells the ranks of those groups at once (as the engine's entry points do
+    for their arguments, :func:`metaseq_oneload._dist.tell_failed`), so they stop with its
+    reason instead of waiting ``arrival_timeout`` for a rank that is not coming. Errors of
+    the types in ``unless`` (those the caller answers without loading, on every rank alike:
+    no checkpoint yet) pass without telling. None for a group: not part of the load."""
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, unless):
+            groups = []
+            for g, role in ((process_group, "data-parallel"), (model_parallel_group, "model-parallel")):
+                if g is not None:
+                    with contextlib.suppress(Exception):
+                        groups.append(Group(g, role))
+            tell_failed(groups, e)
+        raise
 
 
 def _real_group(group: Any) -> Any:

@@ -49,6 +49,7 @@ from .._optim import carry_extra_state, rest_source, same_weights_layout
 from .._plan import FlatStructure
 from ._core import (
     OPT_KEY,
+    _before_load,
     _engine_load,
     _fsdp_root,
     _locate,
@@ -228,8 +229,9 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         return _engine_state(ctx.layout, ctx, dp, mp, arg_overrides)
     if _storage.isfile(os.fspath(path)):
         return _as_saved(path, arg_overrides)
-    layout = _locate(path)
     dp, mp = _groups()
+    with _before_load(None, mp):  # discovery on this rank before the collective load over mp
+        layout = _locate(path)
     return _engine_state(layout, None, None, mp, arg_overrides)
 
 
@@ -369,17 +371,20 @@ def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_sch
     original = _original("fairseq.trainer.Trainer.load_checkpoint")
     if _remote(filename):
         return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
-    try:
-        layout = _locate(filename, self.checkpoint_suffix)
-    except CheckpointNotFoundError:  # fairseq logs "No existing checkpoint found"
-        return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
     model = self.model
     fsdp = _fsdp_root(model)
     sharded = fsdp is not None and bool(self.cfg.distributed_training.use_sharded_state)
-    if fsdp is not None and not sharded and not reset_optimizer:
-        _refuse_unless_full_fsdp_optimizer(layout)
     dp, mp = _groups(self)
     group = _real_group(fsdp.process_group) if sharded else dp
+    try:
+        # Discovery on this rank before the collective load: its failure stops the others now.
+        with _before_load(group, mp, unless=CheckpointNotFoundError):
+            layout = _locate(filename, self.checkpoint_suffix)
+    except CheckpointNotFoundError:  # fairseq logs "No existing checkpoint found"
+        return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
+    if fsdp is not None and not sharded and not reset_optimizer:
+        with _before_load(group, mp):
+            _refuse_unless_full_fsdp_optimizer(layout)
     inner = getattr(self, "_model", None) or model
     names = tuple(n for n, p in inner.named_parameters() if p.requires_grad) if fsdp is None else None
     ctx = _TrainerLoad(model=model, is_fsdp=bool(self.is_fsdp), use_sharded_state=sharded,

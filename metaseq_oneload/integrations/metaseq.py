@@ -51,6 +51,7 @@ from .._optim import carry_extra_state, rest_source, same_weights_layout
 from .._plan import FlatStructure
 from ._core import (
     OPT_KEY,
+    _before_load,
     _engine_load,
     _exists,
     _fsdp_load_local,
@@ -225,7 +226,9 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     dp, mp = _groups()
     if ctx is not None and ctx.layout is not None:
         return _engine_state(ctx.layout, ctx, dp, mp, arg_overrides)
-    layout = _locate(path)
+    # Discovery on this rank before the collective load: its failure stops the others now.
+    with _before_load(dp, mp):
+        layout = _locate(path)
     part = _named_part(path, layout) if ctx is None else None
     if part is not None and (mp is None or _rank_in(mp)[1] == layout.model_parallel_size):
         if not layout.flat or layout.shards_per_part == _rank_in(dp)[1]:
@@ -355,11 +358,12 @@ def _load_checkpoint(cfg, trainer, **passthrough_args):
     if finetune is None or _remote(finetune) or resets:
         return original(cfg, trainer, **passthrough_args)
     try:
-        if cfg.restore_file == "checkpoint_last.pt" and _exists(os.path.join(cfg.save_dir, "checkpoint_last.pt")):
-            cfg.finetune_from_model = None  # a restart resumes from checkpoint_last, as metaseq intends
-        elif not _storage.exists(finetune):
-            dp, mp = _groups()
-            cfg.finetune_from_model = _rest_file(_locate(finetune), dp, mp)
+        dp, mp = _groups()
+        with _before_load(dp, mp):  # the trainer's collective load follows: its ranks must not wait
+            if cfg.restore_file == "checkpoint_last.pt" and _exists(os.path.join(cfg.save_dir, "checkpoint_last.pt")):
+                cfg.finetune_from_model = None  # a restart resumes from checkpoint_last, as metaseq intends
+            elif not _storage.exists(finetune):
+                cfg.finetune_from_model = _rest_file(_locate(finetune), dp, mp)
         return original(cfg, trainer, **passthrough_args)
     finally:
         cfg.finetune_from_model = finetune
@@ -373,14 +377,16 @@ def _trainer_load_checkpoint(self, filename, reset_optimizer=False, reset_lr_sch
     original = _original("metaseq.trainer.Trainer.load_checkpoint")
     if _remote(filename):
         return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
-    try:
-        layout = _locate(filename, self.checkpoint_suffix)
-    except CheckpointNotFoundError:  # metaseq logs "No existing checkpoint found"
-        return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
     model = self.model
     fsdp = _fsdp_root(model)
     dp, mp = _groups()
     group = _real_group(fsdp.process_group) if fsdp is not None else dp
+    try:
+        # Discovery on this rank before the collective load: its failure stops the others now.
+        with _before_load(group, mp, unless=CheckpointNotFoundError):
+            layout = _locate(filename, self.checkpoint_suffix)
+    except CheckpointNotFoundError:  # metaseq logs "No existing checkpoint found"
+        return original(self, filename, reset_optimizer, reset_lr_scheduler, optimizer_overrides, reset_meters)
     inner = getattr(self, "_model", None) or model
     names = tuple(n for n, p in inner.named_parameters() if p.requires_grad) if fsdp is None else None
     ctx = _TrainerLoad(model=model, is_fsdp=bool(self.is_fsdp), use_sharded_state=bool(self.use_sharded_state),

@@ -98,6 +98,73 @@ def _cases(rank: int, world: int) -> dict:
     attempt("then_loads_again", lambda: mo.load_into(TinyMetaseqLM(), single, process_group=four,
                                                      arrival_timeout=WAIT))
 
+    # (h) A bad call that one rank alone makes (a rank-specific code path that catches its
+    # error and goes on), then a load every rank makes together: that load works on every
+    # rank (the lone failure is not handed to the others' next, good load).
+    def lone_bad_call_then_loads():
+        if rank == 1:
+            with pytest.raises(ValueError, match="strategy='bogus'"):
+                mo.load_state_dict(single, process_group=four, strategy="bogus", arrival_timeout=WAIT)
+        dist.barrier(group=four)
+        mo.load_state_dict(single, process_group=four, arrival_timeout=WAIT)
+
+    attempt("lone_bad_call_then_loads", lone_bad_call_then_loads)
+
+    # The other order: the others already wait in their load when rank 1's lone call fails.
+    def lone_bad_call_while_others_wait():
+        if rank == 1:
+            time.sleep(0.5)
+            with pytest.raises(ValueError, match="strategy='bogus'"):
+                mo.load_state_dict(single, process_group=four, strategy="bogus", arrival_timeout=WAIT)
+        mo.load_state_dict(single, process_group=four, arrival_timeout=WAIT)
+
+    attempt("lone_bad_call_while_others_wait", lone_bad_call_while_others_wait)
+
+    # A failure every rank settled together leaves no "left the load" word in the store
+    # (a peer still in the settling gather would read it), and the store's words of a
+    # finished check-in go once every rank is at the next.
+    from metaseq_oneload._dist import Group
+
+    def store_words():
+        g = Group(four, "data-parallel")
+        store = g._store()
+
+        def load(**kw):
+            mo.load_state_dict(single, process_group=four, arrival_timeout=WAIT, **kw)
+            return g  # (unused)
+
+        with pytest.raises(mo.DistributedLoadError, match="failed on 4 rank"):
+            mo.load_state_dict(single, process_group=four, arrival_timeout=WAIT, flat=True,
+                               shard_metadata={"bogus": 1})
+        dist.barrier(group=four)
+        import hashlib
+        base = f"oneload/arrival/data-parallel/{hashlib.sha1(repr(g.members()).encode()).hexdigest()[:16]}"
+        failed = int(store.add(f"{base}/gen", 0)) - 1
+        left_word = store.check([f"{base}/{failed}/lost"])
+        dist.barrier(group=four)
+        load()
+        load()
+        dist.barrier(group=four)
+        gone = not any(store.check([f"{base}/{failed}/{k}"]) for k in ("lost", "state", "claim", "n"))
+        return {"left_word_after_settled_failure": left_word, "failed_round_forgotten": gone}
+
+    words: dict = {}
+    attempt("store_words", lambda: words.update(store_words()))
+    out["store_words"]["words"] = words
+
+    # (i) The integrations' own discovery before the load (integrations/_core: _locate, per
+    # rank) fails on one rank: the others stop at once with its reason, as with the
+    # engine's own entry points.
+    from metaseq_oneload.integrations import _core
+
+    def integration_discovery_fails():
+        path = single.parent / "no-such-checkpoint" if rank == 3 else single
+        with _core._before_load(four, None):
+            layout = _core._locate(path)
+        _core._engine_load(layout, process_group=four)
+
+    attempt("integration_discovery_fails", integration_discovery_fails)
+
     # (g) A rank that raises out of the load between its steps, after the check-in (here:
     # while describing its node), and lives on: the others, waiting for it inside a
     # collective, stop at once instead of at the process group's timeout (15 s here).
@@ -140,10 +207,10 @@ def cases(tmp_path_factory):
 
 
 FAILING = {  # case: (failed rank, its error type, the reason every other rank must name)
-    "bad_argument": (2, "ValueError", r"strategy='bogus': expected one of auto"),
+    "bad_argument": (2, "OptionError", r"strategy='bogus': expected one of auto"),
     "bad_groups": (2, "ValueError", r"no_dist=True loads in this process alone"),
     "module_raises": (1, "RuntimeError", r"this rank's module could not list its tensors"),
-    "grid": (3, "ValueError", r"bucket_mb and chunk_mb must be positive"),
+    "grid": (3, "OptionError", r"bucket_mb=0"),
 }
 
 
@@ -182,6 +249,36 @@ def test_the_same_ranks_load_together_right_after(cases):
     for rank, c in enumerate(cases):
         assert c["then_loads"]["ok"], (rank, c["then_loads"])
         assert c["then_loads_again"]["ok"], (rank, c["then_loads_again"])
+
+
+@pytest.mark.parametrize("case", ["lone_bad_call_then_loads", "lone_bad_call_while_others_wait"])
+def test_a_bad_call_one_rank_makes_alone_does_not_fail_the_next_load(cases, case):
+    seconds = {r: round(c[case]["seconds"], 2) for r, c in enumerate(cases)}
+    print(f"{case}: seconds per rank {seconds}")
+    for rank, c in enumerate(cases):
+        got = c[case]
+        assert got["ok"], (rank, got)
+        assert got["seconds"] < AT_ONCE, seconds  # no rank waited out the arrival timeout
+
+
+def test_an_integrations_discovery_that_fails_on_one_rank_stops_every_rank_at_once(cases):
+    seconds = {r: round(c["integration_discovery_fails"]["seconds"], 2) for r, c in enumerate(cases)}
+    print(f"integration_discovery_fails: seconds until each rank raised {seconds}")
+    assert cases[3]["integration_discovery_fails"]["type"] == "CheckpointNotFoundError"
+    for rank in (0, 1, 2):
+        got = cases[rank]["integration_discovery_fails"]
+        assert not got["ok"] and got["type"] == "DistributedLoadError", got
+        assert got["seconds"] < AT_ONCE, seconds
+        assert re.search(r"rank 3 failed before the load began \(CheckpointNotFoundError: .*no-such-checkpoint",
+                         got["message"]), got
+        assert list(got["failures"]) == ["3"], got
+
+
+def test_a_settled_failure_leaves_no_left_word_and_finished_check_ins_are_forgotten(cases):
+    for rank, c in enumerate(cases):
+        got = c["store_words"]
+        assert got["ok"], (rank, got)
+        assert got["words"] == {"left_word_after_settled_failure": False, "failed_round_forgotten": True}, got
 
 
 def test_a_rank_that_never_calls_the_load_is_named_with_the_setting_that_bounds_the_wait(cases):

@@ -215,3 +215,126 @@ def test_model_args_bound_a_shared_list_dag(tmp_path):
     json.dumps(args)
     assert time.monotonic() - t < 5
     assert args["decoder_layers"] == 2 and "dag" not in args and "dag" in args.unresolved
+
+
+# --------------------------------------------------------------------------- OmegaConf outside cfg
+# Only a checkpoint's top-level ``cfg``/``args`` are read raw. Every other ``header.get`` /
+# ``in`` / ``.values()`` on a DictConfig resolves, so a header, a state dict or an
+# ``extra_state`` that is an OmegaConf container ran the file's resolvers on inspect, load and
+# convert (5 calls each for a top-level DictConfig, 3 on convert for a DictConfig extra_state),
+# and tensors inside one were never checked ("saved without data").
+
+
+def _header_dictconfig(tmp_path: Path) -> Path:
+    """The whole checkpoint a DictConfig (allow_objects, so it holds the state dict's tensors)
+    whose cfg/args/extra_state are the attacker's interpolations; torch.load reads it."""
+    from omegaconf import DictConfig, open_dict
+
+    obj = torch.load(PLAIN, weights_only=False, map_location="cpu")
+    top = DictConfig({"cfg": "${evil:top_cfg}", "args": "${evil:top_args}", "extra_state": "${evil:top_extra}"},
+                     flags={"allow_objects": True})
+    with open_dict(top):
+        top["model"] = dict(obj["model"])
+    out = tmp_path / "top" / "checkpoint_last.pt"
+    out.parent.mkdir(parents=True)
+    torch.save(top, out)
+    return out
+
+
+def _omegaconf_at(tmp_path: Path, where: str) -> Path:
+    obj = torch.load(PLAIN, weights_only=False, map_location="cpu")
+    if where == "model":
+        obj["model"] = OmegaConf.create(dict(obj["model"]), flags={"allow_objects": True})
+    elif where == "extra_state":  # convert asks it for "ema" and "rng_tracker_states"
+        it = {k: v for k, v in dict(obj["extra_state"]["train_iterator"]).items()
+              if isinstance(v, (int, float, str, bool))}
+        obj["extra_state"] = OmegaConf.create({"ema": "${evil:ema}", "rng_tracker_states": "${evil:rng}",
+                                               "train_iterator": it})
+    else:  # deep inside a plain extra_state
+        obj["extra_state"]["metrics"]["evil"] = [OmegaConf.create({"x": "${evil:nested}"})]
+    out = tmp_path / where / "checkpoint_last.pt"
+    out.parent.mkdir(parents=True)
+    torch.save(obj, out)
+    return out
+
+
+def _refused(fn, path: Path, calls: list, where: str) -> str:
+    with pytest.raises(mo.CheckpointLayoutError) as e:
+        fn()
+    msg = str(e.value)
+    assert calls == [], f"the file's resolvers ran: {calls}"
+    assert str(path) in msg and "OmegaConf" in msg and where in msg and "torch.load" in msg, msg
+    assert "saved without data" not in msg
+    return msg
+
+
+def test_a_header_that_is_a_dictconfig_runs_nothing_and_is_refused(tmp_path, evil_calls):
+    path = _header_dictconfig(tmp_path)
+    _torch_runs_nothing(path, evil_calls)
+    for fn in (lambda: mo.inspect(str(path)), lambda: mo.load_state_dict(str(path), no_dist=True),
+               lambda: mo.convert(str(path), str(tmp_path / "out" / "x"), model_parallel=1, shards=2, flat=True)):
+        msg = _refused(fn, path, evil_calls, "top level")
+        assert "expected a dict" in msg
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("where,shown", [("model", "at model is"), ("extra_state", "at extra_state is"),
+                                         ("nested", "at extra_state.metrics.evil.0 is")])
+def test_an_omegaconf_container_outside_cfg_runs_nothing_and_is_refused(tmp_path, evil_calls, where, shown):
+    path = _omegaconf_at(tmp_path, where)
+    _torch_runs_nothing(path, evil_calls)
+    for fn in (lambda: mo.inspect(str(path)), lambda: mo.load_state_dict(str(path), no_dist=True),
+               lambda: mo.convert(str(path), str(tmp_path / "out" / "x"), model_parallel=1, shards=2, flat=True)):
+        _refused(fn, path, evil_calls, shown)
+
+
+def test_carry_extra_state_reads_a_dictconfigs_keys_raw(evil_calls):
+    """The convert step itself, handed a DictConfig extra_state: its keys, never its values."""
+    from metaseq_oneload._optim import carry_extra_state
+
+    extra = OmegaConf.create({"ema": "${evil:ema}", "rng_tracker_states": "${evil:rng}", "x": 1})
+    out, notes = carry_extra_state(extra, same_parts=False, same_weights=False)
+    assert evil_calls == []
+    assert "ema" not in out.keys() and "rng_tracker_states" not in out.keys() and len(notes) == 2
+
+
+def test_a_tensor_inside_an_omegaconf_cfg_is_refused(tmp_path):
+    """A cfg may be a DictConfig, but a tensor in it is never walked or checked: refused."""
+    obj = torch.load(PLAIN, weights_only=False, map_location="cpu")
+    cfg = OmegaConf.create(obj["cfg"], flags={"allow_objects": True})
+    cfg.model.hidden = torch.zeros(4)
+    obj["cfg"] = cfg
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save(obj, path)
+    with pytest.raises(mo.CheckpointLayoutError) as e:
+        mo.inspect(str(path))
+    msg = str(e.value)
+    assert "cfg.model.hidden" in msg and "tensor" in msg and str(path) in msg
+
+
+def test_a_cfg_that_fairseqs_loader_made_still_loads(tmp_path):
+    """fairseq's and metaseq's load_checkpoint_to_cpu make cfg a DictConfig with
+    allow_objects; a state re-saved after it is a real checkpoint and loads."""
+    obj = torch.load(PLAIN, weights_only=False, map_location="cpu")
+    obj["cfg"] = OmegaConf.create(obj["cfg"], flags={"allow_objects": True})
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save(obj, path)
+    assert mo.inspect(str(path)).model_args()["decoder_embed_dim"] == 32
+    sd = mo.load_state_dict(str(path), no_dist=True)
+    ref = torch.load(PLAIN, weights_only=False, map_location="cpu")["model"]
+    assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_the_header_readers_take_a_dictconfig_header_raw(evil_calls):
+    """Behind the boundary too: what reads a header's cfg, args, optimizer_history,
+    extra_state or state dict never resolves, whatever object it is handed."""
+    from metaseq_oneload.formats import _torchsave, metaseq
+
+    header = OmegaConf.create({"cfg": "${evil:cfg}", "args": "${evil:args}", "model": "${evil:model}",
+                               "optimizer_history": "${evil:hist}", "extra_state": "${evil:extra}",
+                               "oneload_save": "${evil:save}"})
+    assert model_args_of(header) == {}
+    metaseq._settings(header)
+    metaseq._run_id(header)
+    assert _torchsave._model_dict(header) is None
+    assert evil_calls == []

@@ -153,3 +153,48 @@ def test_a_bug_keeps_its_traceback_and_exits_3(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback" in err and "internal error: AssertionError: a bug in the package" in err
     assert "please report it" in err
+
+
+_SHORT_OF_MEMORY = """
+import os, resource, sys
+import metaseq_oneload.cli as cli
+import metaseq_oneload.formats  # what inspect imports, imported before the limit
+vsz = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (vsz + (int(sys.argv[2]) << 20),) * 2)
+sys.exit(cli.main(["inspect", sys.argv[1]]))
+"""
+
+
+def test_a_machine_short_of_memory_or_threads_is_not_called_a_bad_file_nor_a_bug(tmp_path):
+    """A real shortage (RLIMIT_AS a few MiB above what the process holds): reading a sound
+    file fails to start its reader thread ("can't start new thread") or to allocate
+    (MemoryError). Before: the thread failure was a MalformedCheckpointError ('could not be
+    read as a checkpoint ... Re-create or re-copy the file', exit 2) and a MemoryError an
+    'internal error ... a bug' (exit 3). Now both say the machine ran short, and how to fix it."""
+    path = tmp_path / "sound.pt"
+    torch.save({"model": {f"layers.{i}.weight": torch.zeros(2) for i in range(2000)}}, path)
+    failed, slow, starved = [], [], []
+    for headroom_mib in (1, 2, 6, 8, 16):
+        try:
+            r = subprocess.run([sys.executable, "-c", _SHORT_OF_MEMORY, str(path), str(headroom_mib)],
+                               capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:  # glibc's malloc, failing every mmap, can crawl: not what is tested
+            slow.append(headroom_mib)
+            continue
+        if r.returncode == 0:
+            continue
+        if r.returncode == 1 and "internal error" not in r.stderr and r.stderr.strip().endswith("MemoryError"):
+            # So short that the interpreter itself failed while reporting (a MemoryError raised
+            # while handling a MemoryError, before any handler of ours could print): nothing
+            # a program can say then, and nothing mislabelled.
+            starved.append(headroom_mib)
+            continue
+        failed.append((headroom_mib, r.stderr.strip().splitlines()[-1]))
+        assert r.returncode == 2, (headroom_mib, r.returncode, r.stderr[-3000:])
+        assert "could not be read as a checkpoint" not in r.stderr and "Re-create" not in r.stderr, r.stderr[-3000:]
+        assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert "ran out of memory or threads" in r.stderr and "ulimit" in r.stderr, r.stderr[-3000:]
+        assert "not at fault" in r.stderr, r.stderr[-3000:]
+    print("\n" + "\n".join(f"+{h} MiB: {line}" for h, line in failed) + (f"\nover 60 s: +{slow} MiB" if slow else "")
+          + (f"\ninterpreter starved: +{starved} MiB" if starved else ""))
+    assert failed, "no headroom made the read fail: the test did not exercise a shortage"

@@ -89,3 +89,79 @@ def test_shards_of_two_runs_in_an_object_store_are_refused(tmp_path, monkeypatch
         assert "previous_training_time" in str(e.value)
     finally:
         ep.stop()
+
+
+# --------------------------------------------------------------------------- across model parts
+# ewm_loss and the loss meter are all-reduced over each part's own data-parallel group: equal
+# to the last bit is likely, not guaranteed. Across parts they are compared with a relative
+# tolerance of 1e-6 (a few float32 ulps); within one part's shards previous_training_time
+# (one average, broadcast) stays exact.
+MP2 = FIXTURES / "mp2_ddp"
+PART = "checkpoint_2-model_part-{}.pt"
+
+
+def _parts(tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    shutil.copy(MP2 / PART.format(0), folder / PART.format(0))
+    obj = torch.load(MP2 / PART.format(1), weights_only=False, map_location="cpu")
+    edit(obj["extra_state"])
+    torch.save(obj, folder / PART.format(1))
+    return folder / PART.format(0)
+
+
+def _loss_meter(extra: dict) -> dict:
+    return next(e[3] for e in extra["metrics"]["train"] if e[1] == "loss")
+
+
+def test_model_parts_whose_meters_differ_by_rounding_are_one_save(tmp_path):
+    import math
+
+    def ulp_apart(extra):
+        extra["ewm_loss"] = math.nextafter(extra["ewm_loss"], math.inf)
+        meter = _loss_meter(extra)
+        s = meter["sum"]
+        meter["sum"] = torch.nextafter(s, s + 1)
+        assert meter["sum"].item() != s.item()
+
+    path = _parts(tmp_path, ulp_apart)
+    layout = mo.inspect(str(path))
+    assert len(layout.files) == 2
+    sd = mo.load_state_dict(str(path), no_dist=True)
+    ref = mo.load_state_dict(str(MP2 / PART.format(0)), no_dist=True)
+    assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("what", ["ewm_loss", "train loss meter"])
+def test_model_parts_whose_meters_differ_are_refused_with_the_values(tmp_path, what):
+    # as far apart as the two real runs RUN_A and RUN_B of one model, data and world size
+    # (ewm_loss 6.233474032 / 6.233213995, loss sum 797.8847 / 797.8514: 4e-5 relative)
+    ratio = 6.233213994501808 / 6.233474032269913
+
+    def other_run(extra):
+        if what == "ewm_loss":
+            extra["ewm_loss"] = extra["ewm_loss"] * ratio
+        else:
+            _loss_meter(extra)["sum"] = _loss_meter(extra)["sum"] * ratio
+
+    path = _parts(tmp_path, other_run)
+    with pytest.raises(mo.CheckpointLayoutError) as e:
+        mo.inspect(str(path))
+    msg = str(e.value)
+    assert "files of different saves are mixed" in msg and what in msg
+    assert PART.format(0) in msg and PART.format(1) in msg
+    assert "1e-06" in msg and "move" in msg
+
+
+def test_the_shards_of_one_part_agree_exactly_on_previous_training_time(tmp_path):
+    """One average broadcast to one part's data-parallel ranks: no tolerance there."""
+    import math
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    shutil.copy(RUN_A / NAME.format(0), folder / NAME.format(0))
+    obj = torch.load(RUN_A / NAME.format(1), weights_only=False, map_location="cpu")
+    obj["extra_state"]["previous_training_time"] = math.nextafter(obj["extra_state"]["previous_training_time"], 0)
+    torch.save(obj, folder / NAME.format(1))
+    with pytest.raises(mo.CheckpointLayoutError, match="previous_training_time"):
+        mo.inspect(str(folder / NAME.format(0)))

@@ -107,6 +107,26 @@ def test_a_wrong_answer_to_a_header_read_is_refused(store, tmp_path, mode):
         mo.inspect(url)
 
 
+def test_a_whole_object_range_answered_200_is_read(store, tmp_path):
+    """Some S3-compatible servers and CDNs answer 200 (no Content-Range) for a range that
+    covers the whole object. A file under 64 KiB is read whole at once (the zip's end is
+    looked for in its last 64 KiB). Before: refused ('answered HTTP 200, not 206'). Now: a
+    200 is taken where the range asked for is the whole pinned object, its Content-Length is
+    that size and its ETag the pinned one; a 200 for any other range stays refused (the
+    ignore_range cases above)."""
+    local = tmp_path / "small" / "checkpoint_1.pt"
+    local.parent.mkdir()
+    torch.save({"model": {"w": torch.randn(16, 16), "b": torch.randn(16)}, "cfg": {"model": {"arch": "x"}},
+                "extra_state": {}}, local)
+    assert local.stat().st_size < 60 << 10
+    url = store.upload(local, "trust", "whole200/checkpoint_1.pt")
+    store.misbehave("whole_as_200", key="/trust/whole200/checkpoint_1.pt")
+    layout = mo.inspect(url)
+    assert sorted(layout.parts[0].tensors) == ["b", "w"]
+    assert _same(mo.load_state_dict(url, no_dist=True), mo.load_state_dict(local, no_dist=True))
+    assert store.counters.whole_as_200 >= 1
+
+
 @pytest.mark.parametrize("mode", ["redirect", "ignore_range"])
 def test_a_redirect_or_a_server_that_ignores_ranges_is_refused_quickly(store, tmp_path, monkeypatch, mode):
     """Every ranged read answered wrongly, from the first: a clear error at once, not a raw

@@ -183,18 +183,25 @@ def test_a_stored_record_shorter_than_its_directory_size_is_never_read_through(t
 # --------------------------------------------------------------------------- deflate
 def _peak_rss(call: str, path: Path) -> dict:
     """Run ``call`` (an expression over ``mo`` and ``path``) in a fresh interpreter: its
-    peak RSS growth in MiB, and the error it raised."""
+    peak RSS growth in MiB, and the error it raised. (VmHWM, this process's own peak:
+    ru_maxrss carries the parent's over fork and exec, so under a big pytest it reads +0;
+    the modules a call uses are imported before the first measure.)"""
     code = textwrap.dedent(f"""
-        import json, resource, sys
+        import json, sys
+        import torch
         import metaseq_oneload as mo
+        import metaseq_oneload._reading, metaseq_oneload._loading, metaseq_oneload.formats
+        def hwm():
+            with open("/proc/self/status") as f:
+                return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
         path = sys.argv[1]
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = hwm()
         error = None
         try:
             {call}
         except Exception as e:
             error = f"{{type(e).__name__}}: {{e}}"
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = hwm()
         print(json.dumps({{"rss_mib": (peak - before) / 1024, "error": error}}))
     """)
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
@@ -214,6 +221,41 @@ def test_a_pickle_record_that_inflates_to_1_gib_is_refused_in_bounded_memory(tmp
         assert got["rss_mib"] < 128, got
         assert got["error"] and got["error"].startswith("CheckpointLayoutError"), got
         assert f"record base/data.pkl inflates to more than the {len(pkl)} bytes" in got["error"], got
+
+
+def test_a_pickle_record_that_honestly_declares_1_gib_is_refused_before_it_is_inflated(tmp_path):
+    """A 1 MB file whose data.pkl is a valid pickle and 1 GiB of zeros after its STOP, and
+    says so in its directory entry (1032:1 is within what deflate can do). Before: accepted,
+    inflated whole and then joined into a second copy (read_header: OK after 3.4 s, peak RSS
+    +2293 MiB). A pickle is at most tens of MB: refused past max(64 MiB, 64 x its
+    compressed size), before anything is inflated."""
+    pkl = _record(tmp_path, "data.pkl")
+    raw = _deflate(pkl, 1 << 30)
+    path = _rewrite(tmp_path, "honest-bomb", {"data.pkl": {"method": 8, "raw": raw, "usize": len(pkl) + (1 << 30)}})
+    assert path.stat().st_size < 2 << 20
+    for call in ("mo.inspect(path)", "mo.load_state_dict(path)",
+                 "__import__('metaseq_oneload._reading')._reading.read_header(path)"):
+        got = _peak_rss(call, path)
+        print(f"\n{call}: +{got['rss_mib']:.0f} MiB: {got['error']}")
+        assert got["rss_mib"] < 128, got
+        assert got["error"] and got["error"].startswith("CheckpointLayoutError"), got
+        assert (f"record base/data.pkl declares {len(pkl) + (1 << 30)} bytes once inflated, from {len(raw)} "
+                "compressed bytes") in got["error"], got
+
+
+def test_a_deflated_pickle_record_below_the_cap_is_inflated_once(tmp_path):
+    """A deflated data.pkl of a real size loads as torch.load gives it, and inflating it
+    costs about its size once (no second copy by a join)."""
+    members = _members(_base(tmp_path))
+    pad = 48 << 20  # a 48 MiB pickle (random bytes after STOP: they deflate ~1:1)
+    members = [(n, d + torch.randint(0, 256, (pad,), dtype=torch.uint8).numpy().tobytes()
+                if n.endswith("data.pkl") else d) for n, d in members]
+    path = _rewrite(tmp_path, "big-pickle", {"data.pkl": {"method": 8}}, members)
+    assert assert_same_verdict(path) == "accepted"
+    got = _peak_rss("__import__('metaseq_oneload._reading')._reading.read_header(path)", path)
+    print(f"\nread_header of a 48 MiB deflated pickle: +{got['rss_mib']:.0f} MiB")
+    assert got["error"] is None, got
+    assert got["rss_mib"] < 48 + 32, got  # before: +96 (the pieces, then their join)
 
 
 def test_a_record_declaring_more_than_deflate_can_produce_is_refused_at_inspect(tmp_path):
@@ -280,6 +322,39 @@ def test_an_expanded_view_that_needs_no_more_than_its_storage_still_loads(tmp_pa
     path = tmp_path / "position_ids.pt"
     torch.save({"position_ids": torch.arange(16).expand((1, -1)), "w": torch.ones(2, 2)}, path)
     assert assert_same_verdict(path) == "accepted"
+
+
+@pytest.mark.parametrize("name,tensor", [
+    ("ones-1-expanded-to-4", lambda: torch.ones(1).expand(4)),
+    ("bias-broadcast-2x4", lambda: torch.zeros(4).expand(2, 4)),
+    ("row-repeated-1000x", lambda: torch.arange(64.0).reshape(1, 64).expand(1000, 64)),
+])
+def test_a_small_expanded_view_loads_as_torch_load_gives_it(name, tensor, tmp_path):
+    """Expanded views whose elements need more bytes than their record holds, but little:
+    torch.load gives each as a view of its storage. Before: refused at inspect ('is an
+    expanded view'), whatever its size. Now refused only past max(64 MiB, 16 x the file's
+    size); below it every entry point gives torch.load's values (a contiguous copy)."""
+    path = tmp_path / f"{name}.pt"
+    torch.save({"w": torch.randn(8, 4), "x": tensor()}, path)
+    theirs = torch.load(path, weights_only=True)
+    assert theirs["x"].untyped_storage().nbytes() < theirs["x"].numel() * theirs["x"].element_size()
+    layout = mo.inspect(path)
+    assert tuple(layout.parts[0].tensors["x"].shape) == tuple(theirs["x"].shape)
+    assert assert_same_verdict(path) == "accepted"
+    ours = mo.load_state_dict(path)
+    assert ours["x"].dtype == theirs["x"].dtype and ours["x"].shape == theirs["x"].shape
+    assert ours["x"].contiguous().numpy().tobytes() == theirs["x"].contiguous().numpy().tobytes()
+
+
+def test_expanded_views_share_one_budget_per_file(tmp_path):
+    """Three views of 32 MiB each (4 bytes stored apiece), in a file of a few KB: each is
+    under 64 MiB, together they are 96 MiB of allocation: refused at the third."""
+    path = tmp_path / "three.pt"
+    torch.save({f"x{i}": torch.ones(1).expand(8 << 20) for i in range(3)}, path)
+    with pytest.raises(CheckpointLayoutError, match=r"tensor x2: .* is an expanded view .* past the 67108864 bytes "
+                                                    r"the expanded views of one file may take .*; 67108864 taken by "
+                                                    r"the ones before it"):
+        mo.inspect(path)
 
 
 def test_a_storage_less_meta_tensor_of_10_to_the_12_elements_is_refused_at_inspect(tmp_path):

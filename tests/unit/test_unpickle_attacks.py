@@ -224,12 +224,19 @@ def test_what_torchs_loader_refuses_to_append_set_or_build_is_refused(tmp_path, 
 
 
 def test_an_omegaconf_container_goes_to_torchs_loader_and_comes_back_as_torch_reads_it(tmp_path):
-    """A DictConfig (an item set after its BUILD refused; as written, the object torch reads)."""
+    """A DictConfig (an item set after its BUILD refused; as written, the object torch reads).
+    As a checkpoint's cfg it comes back as torch reads it; as the whole header, torch's loader
+    reads it and read_header refuses it (only cfg/args may be OmegaConf configs)."""
     omegaconf = pytest.importorskip("omegaconf")
+    as_cfg = pickle.dumps({"cfg": omegaconf.OmegaConf.create({"a": 1})}, 2)
+    assert _unpickle.header("x.pt", _Index, as_cfg) == (None, None)
+    header = read_header(_zip_with_pickle(tmp_path / "c.pt", as_cfg))
+    assert type(header["cfg"]) is omegaconf.DictConfig and header == _torch_reads(as_cfg) == {"cfg": {"a": 1}}
     written = pickle.dumps(omegaconf.OmegaConf.create({"a": 1}), 2)
     assert _unpickle.header("x.pt", _Index, written) == (None, None)
-    header = read_header(_zip_with_pickle(tmp_path / "o.pt", written))
-    assert type(header) is omegaconf.DictConfig and header == _torch_reads(written) == {"a": 1}
+    assert type(_torch_reads(written)) is omegaconf.DictConfig
+    with pytest.raises(CheckpointLayoutError, match="its top level is an OmegaConf DictConfig; expected a dict"):
+        read_header(_zip_with_pickle(tmp_path / "o.pt", written))
     data = written[:-1] + b"X\x01\x00\x00\x00bK\x02s."
     assert pickle.loads(data) == {"a": 1, "b": 2}
     with pytest.raises(pickle.UnpicklingError):
