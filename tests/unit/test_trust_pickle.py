@@ -23,6 +23,7 @@ import torch
 import metaseq_oneload as mo
 from metaseq_oneload import CheckpointLayoutError, OneloadError
 from metaseq_oneload import _reading
+from tests.unit.test_unpickle_attacks import replace_pickle
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,15 +43,6 @@ def _data_pkl(path) -> bytes:
         return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
 
 
-def _replace_pkl(path, data: bytes) -> str:
-    """The archive at ``path`` with its data.pkl replaced (stored, as torch writes it)."""
-    with zipfile.ZipFile(path) as z:
-        members = [(i.filename, z.read(i.filename)) for i in z.infolist()]
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        for name, d in members:
-            z.writestr(name, data if name.endswith("/data.pkl") else d)
-    _reading._cached_header.cache_clear()
-    return str(path)
 
 
 def _torch_reads(path):
@@ -148,7 +140,7 @@ def _splice_after_none(path, extra: bytes) -> str:
     """torch.save's pickle of {"junk": None, ...} with ``extra`` right after the None."""
     data = _data_pkl(path)
     pos = next(pos for op, _, pos in pickletools.genops(data) if op.name == "NONE")
-    return _replace_pkl(path, data[: pos + 1] + extra + data[pos + 1:])
+    return replace_pickle(path, data[: pos + 1] + extra + data[pos + 1:])
 
 
 _PEAK_RSS = """
@@ -200,7 +192,7 @@ def test_a_memo_get_past_the_memo_is_refused_as_ours(tmp_path):
     torch.save({"junk": None, "model": {"w": torch.arange(4.0)}}, path)
     data = _data_pkl(path)
     pos = next(pos for op, _, pos in pickletools.genops(data) if op.name == "NONE")
-    _replace_pkl(path, data[:pos] + b"j" + struct.pack("<I", 2 ** 31) + data[pos + 1:])
+    replace_pickle(path, data[:pos] + b"j" + struct.pack("<I", 2 ** 31) + data[pos + 1:])
     with pytest.raises(OneloadError, match=r"get\.pt: .*memo entry 2147483648, which it never stored.*Copy it again"):
         _ours(str(path))
 
@@ -216,7 +208,7 @@ def _nested(path, n: int, kind: str) -> str:
         deep = b"}X\x01\x00\x00\x00k" * (n - 1) + b"}" + b"s" * (n - 1)
     else:
         deep = b")" + b"\x85" * (n - 1)
-    return _replace_pkl(path, data.replace(s, deep, 1))
+    return replace_pickle(path, data.replace(s, deep, 1))
 
 
 @pytest.mark.parametrize("kind", ["list", "dict", "tuple"])
@@ -245,7 +237,7 @@ def test_nesting_through_torchs_loader_is_refused_clearly(tmp_path):
     path = tmp_path / "deepset.pt"
     torch.save({"model": {"w": torch.arange(4.0)}, "s": {1}, "deep": "XX"}, path)
     data = _data_pkl(path)
-    _replace_pkl(path, data.replace(b"X\x02\x00\x00\x00XX", b"]" * 200_000 + b"a" * 199_999, 1))
+    replace_pickle(path, data.replace(b"X\x02\x00\x00\x00XX", b"]" * 200_000 + b"a" * 199_999, 1))
     with pytest.raises(CheckpointLayoutError, match="nests containers more than"):
         _ours(str(path))
 
@@ -358,7 +350,7 @@ def test_a_tuple_nested_200000_deep_as_a_key_is_refused_before_it_is_hashed(tmp_
     deep = b")" + b"\x85" * 199_999
     deep = (b"}" + deep + b"K\x01s" if where == "a dict key"
             else b"c__builtin__\nset\n]" + deep + b"a\x85R")
-    _replace_pkl(path, data.replace(b"X\x02\x00\x00\x00XX", deep, 1))
+    replace_pickle(path, data.replace(b"X\x02\x00\x00\x00XX", deep, 1))
     r = subprocess.run([sys.executable, "-c", _READ_IN_A_CHILD, str(path)], capture_output=True, text=True,
                        timeout=120, cwd=REPO)
     assert r.returncode == 0, f"the reading process died with {r.returncode}: {r.stderr[-2000:]}"
@@ -376,7 +368,7 @@ def test_a_tuple_of_shared_tuples_as_a_key_is_refused_before_it_is_hashed(tmp_pa
     # EMPTY_TUPLE, then 60 times: BINPUT 0, BINGET 0, TUPLE2 (the tuple on top, twice)
     dag = b")" + b"q\x00h\x00\x86" * 60
     deep = (b"}" + dag + b"K\x01s" if where == "a dict key" else b"c__builtin__\nset\n]" + dag + b"a\x85R")
-    _replace_pkl(path, data.replace(b"X\x02\x00\x00\x00XX", deep, 1))
+    replace_pickle(path, data.replace(b"X\x02\x00\x00\x00XX", deep, 1))
     r = subprocess.run([sys.executable, "-c", _READ_IN_A_CHILD, str(path)], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]

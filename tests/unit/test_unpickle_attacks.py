@@ -31,9 +31,9 @@ class _Index:
     why_not_range_readable = None
 
 
-def _zip_with_pickle(path, data_pkl: bytes) -> str:
-    """A torch.save archive whose data.pkl is replaced by ``data_pkl`` (stored, as torch writes)."""
-    torch.save({"model": {}}, path)
+def replace_pickle(path, data_pkl: bytes) -> str:
+    """The archive at ``path`` with its data.pkl replaced by ``data_pkl`` (stored, as torch
+    writes it); the header cache forgets it."""
     with zipfile.ZipFile(path) as z:
         members = [(i.filename, z.read(i.filename)) for i in z.infolist()]
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
@@ -41,6 +41,12 @@ def _zip_with_pickle(path, data_pkl: bytes) -> str:
             z.writestr(name, data_pkl if name.endswith("/data.pkl") else data)
     _reading._cached_header.cache_clear()
     return str(path)
+
+
+def _zip_with_pickle(path, data_pkl: bytes) -> str:
+    """A torch.save archive whose data.pkl is replaced by ``data_pkl``."""
+    torch.save({"model": {}}, path)
+    return replace_pickle(path, data_pkl)
 
 
 def _torch_reads(data: bytes):
