@@ -14,7 +14,7 @@ Three verbs (the command line in :mod:`.cli` runs them):
     Compares two checkpoints of any layouts tensor by tensor, streaming both (:mod:`._verify`).
 
 The optimizer state is mapped onto the parameters in :mod:`._optim`, bytes are written in
-:mod:`._writing`; this module decides what each output file holds. Nothing holds the model: each output storage is produced chunk by chunk (``_loading._fill``
+:mod:`._writing`; this module decides what each output file holds. Nothing holds the model: each output storage is produced chunk by chunk (``_execute.fill``
 reads exactly the byte ranges a chunk needs from whichever source files hold them) and
 written in place into a file that ``torch.save`` laid out with holes (:mod:`._writing`). Peak
 memory is about ``3 x chunk`` per parallel job, whatever the model size. Outputs appear
@@ -61,7 +61,8 @@ import torch
 from ._errors import OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, FileName, is_interpolation, raw_get, raw_keys
 from .formats import discover
-from ._loading import OptionError, _fill, check_option
+from ._execute import fill as fill_target
+from ._loading import OptionError, check_option
 from ._optim import (OptimizerPlan, carry_extra_state, flat_pieces, plan_optimizer, rank_state, rest_source,
                      same_weights_layout, state_of)
 from ._plan import FlatGroup, FlatStructure, TargetTensor, flat_shard_range, plan_part
@@ -625,7 +626,7 @@ class _Conversion:
         before = reader.bytes_read
         with contextlib.nullcontext(reader) if shared else reader:
             def fill(target, buf, start):
-                _fill(target, buf, start, reader)
+                fill_target(target, buf, start, reader)
 
             obj, records, entries, tied, meta = self.build(out.part, out.shard)
             tmp = outputs.temp(out.path)  # a ConversionError of its own if the folder refuses

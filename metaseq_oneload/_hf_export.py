@@ -47,7 +47,8 @@ from ._errors import ConversionError, OneloadError, OutputExistsError, Unsupport
 from ._layout import CheckpointLayout
 from .formats import discover
 from .formats._torchsave import _scan
-from ._loading import OptionError, _fill, check_option
+from ._execute import fill as fill_target
+from ._loading import OptionError, check_option
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader
 from ._writing import (SAFETENSORS_DTYPES, Piece, Record, make_temp, progress_bar, source_clash, stale_temps,
@@ -761,7 +762,7 @@ def export_hf(
         tmp = make_temp(dst, folder=True, kind=_TMP)
         with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
             def fill(target, out, start):
-                _fill(target, out, start, reader)
+                fill_target(target, out, start, reader)
 
             for name, group in files:
                 entries = [(t.name, t.shape, t.dtype, Record((Piece(t.source, 0, t.source.numel, t.dtype),)))

@@ -68,6 +68,7 @@ from ._layout import CheckpointLayout, StoredTensor
 from .formats import adopt, discover, to_wire
 from ._plan import BlockCopy, FlatCopy, FlatStructure, TargetTensor, flat_shard_range, plan_part, qkv_naming
 from ._reading import RangeReader
+from ._execute import fill, fill_all
 from ._storage import is_url
 
 __all__ = ["LoadReport", "LoadedCheckpoint", "load_state_dict", "load_checkpoint", "load_into", "STRATEGIES"]
@@ -194,107 +195,6 @@ def check_option(name: str, value, kind: Optional[str] = None):
     return value
 
 
-# --------------------------------------------------------------------------- filling
-
-
-def _read_stored(src: StoredTensor, start: int, out: torch.Tensor, reader) -> None:
-    """Elements ``start..`` of a stored tensor (flattened) into 1-D ``out``."""
-    n = out.numel()
-    pos, filled = 0, 0
-    for ext in src.extents:
-        lo, hi = max(start, pos), min(start + n, pos + ext.numel)
-        if lo < hi:
-            reader.read_extent(ext, lo - pos, out[lo - start: hi - start], src.dtype)
-            filled += hi - lo
-        pos += ext.numel
-        if pos >= start + n:
-            break
-    if filled != n:  # never leave part of a destination silently unwritten
-        raise CheckpointLayoutError(
-            f"{src.name}: the stored pieces cover {filled} of the {n} elements wanted at offset {start} "
-            f"(the tensor holds {src.numel}); the checkpoint's metadata does not match its tensors.")
-
-
-def _fill(target: TargetTensor, out: torch.Tensor, start: int, reader) -> None:
-    """(local) Elements ``start..start+len(out)`` of ``target`` into 1-D ``out``."""
-    stop = start + out.numel()
-    with torch.no_grad():
-        for c in target.copies:
-            if isinstance(c, FlatCopy):
-                lo, hi = max(start, c.dst_start), min(stop, c.dst_start + c.length)
-                if lo < hi:
-                    _read_stored(c.src, c.src_start + lo - c.dst_start, out[lo - start: hi - start], reader)
-                continue
-            _fill_block(c, out, start, stop, reader)
-
-
-def _fill_block(c: BlockCopy, out: torch.Tensor, start: int, stop: int, reader) -> None:
-    dc, sc = c.dst_cols, c.src_cols
-    first, last = start // dc, min(c.rows, -(-stop // dc))
-    itemsize = torch.empty((), dtype=c.src.dtype).element_size()
-    # Splitting a row-parallel weight wants a column block of every row: read just those
-    # runs (one per row) rather than whole rows when they are at most half of each row.
-    narrow = 2 * c.ncols <= sc
-    step = max(1, reader.chunk_bytes // max(1, (c.ncols if narrow else sc) * itemsize))
-    for r0 in range(first, last, step):
-        r1 = min(last, r0 + step)
-        if narrow:
-            block = torch.empty((r1 - r0, c.ncols), dtype=c.src.dtype)
-            for r in range(r0, r1):
-                _read_stored(c.src, r * sc + c.src_col0, block[r - r0], reader)
-        else:
-            rows = torch.empty((r1 - r0) * sc, dtype=c.src.dtype)
-            _read_stored(c.src, r0 * sc, rows, reader)
-            block = rows.view(r1 - r0, sc)[:, c.src_col0: c.src_col0 + c.ncols]
-        if start <= r0 * dc and r1 * dc <= stop:
-            out[r0 * dc - start: r1 * dc - start].view(r1 - r0, dc)[:, c.dst_col0: c.dst_col0 + c.ncols].copy_(block)
-            continue
-        for r in range(r0, r1):
-            p0 = r * dc + c.dst_col0
-            lo, hi = max(start, p0), min(stop, p0 + c.ncols)
-            if lo < hi:
-                out[lo - start: hi - start].copy_(block[r - r0, lo - p0: hi - p0])
-
-
-def _plain_runs(target: TargetTensor) -> bool:
-    """Whether every element of ``target`` is read by offset from a local file, with no
-    block copies and no file read whole (legacy): such fills touch nothing shared but the
-    reader's descriptors. (URLs keep one fill at a time: their reads already go in parallel
-    requests, and small reads that follow each other share one.)"""
-    return all(isinstance(c, FlatCopy) and all(e.byte_offset is not None and not is_url(e.path)
-                                               for e in c.src.extents)
-               for c in target.copies)
-
-
-def _fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader, progress,
-              threads: Optional[int] = None) -> None:
-    """(local) Fill every want. Wants read by plain offsets go a few at a time, so that the
-    reads (and page faults) of many small tensors overlap as one large tensor's pieces do
-    inside the reader; the others, and progress, stay on this thread."""
-    threads = threads or min(4, getattr(reader, "read_threads", 1))
-    pooled = [w for w in wants if threads > 1 and _plain_runs(targets[w.name])]
-    ids = {id(w) for w in pooled}
-    for w in wants:
-        if id(w) not in ids:
-            _fill(targets[w.name], w.out, w.start, reader)
-            if progress:
-                progress(w.out.numel() * w.out.element_size())
-    if not pooled:
-        return
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="oneload-fill")
-    try:
-        futures = {pool.submit(_fill, targets[w.name], w.out, w.start, reader): w for w in pooled}
-        for f in as_completed(futures):
-            f.result()  # the first failure stops the fill, as a serial one would
-            if progress:
-                w = futures[f]
-                progress(w.out.numel() * w.out.element_size())
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 class _MmapReader:
     """Reads the same elements through ``torch.load(mmap=True)``: the independent path
     ``verify=True`` checks the byte arithmetic against."""
@@ -320,7 +220,7 @@ def _fingerprint(target: TargetTensor, start: int, stop: int, reader, chunk_byte
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
         tmp = scratch[: hi - lo]
-        _fill(target, tmp, lo, reader)
+        fill(target, tmp, lo, reader)
         total += _sum64(tmp if dtype in (None, target.dtype) else tmp.to(dtype))
     return total
 
@@ -503,7 +403,7 @@ def _broadcast_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Seque
             views = _bucket_views(bucket, entries, targets)
         def read(entries=entries, views=views):
             for e, v in zip(entries, views):
-                _fill(targets[e.name], v, e.start, reader)
+                fill(targets[e.name], v, e.start, reader)
 
         failed, stop = _announce(dp, status, read)
         error = error or failed
@@ -613,7 +513,7 @@ def _scatter_loop(dp: Group, targets: Mapping[str, TargetTensor], wants: Sequenc
         views = _bucket_views(bucket, entries, targets) if dp.rank == 0 else None
         def read(entries=entries, views=views):
             for e, v in zip(entries, views):
-                _fill(targets[e.name], v, e.start, reader)
+                fill(targets[e.name], v, e.start, reader)
             for e, v in zip(entries, views):
                 _scatter_local(by_name.get(e.name, ()), e, v)
             if progress:
@@ -945,10 +845,10 @@ def _engine_steps(path, dp: Group, mp: Group, opts: _Options, flat: bool, struct
                     error, all_ranges = _scatter_loop(dp, targets, wants, reader, opts, progress)
             elif plan is not None:
                 mode = "scatter" if blind_ranks else "local"
-                error, moved = exchange_loop(dp, plan, targets, wants, reader, _fill, progress)
+                error, moved = exchange_loop(dp, plan, targets, wants, reader, fill, progress)
             else:
                 try:
-                    _fill_all(targets, wants, reader, progress)
+                    fill_all(targets, wants, reader, progress)
                 except Exception as e:
                     error = e
         settle(groups, error, f"loading {path}: reading")

@@ -5,7 +5,7 @@ the bytes that cross the network. Nothing but metadata is read.
 The plan is computed by the engine's own steps, run without a process group: the same
 strategy choice (``_loading._choose``), the same per-part targets (``plan_part``), the same
 per-rank wants as :func:`metaseq_oneload.load_state_dict` builds them, the same broadcast
-schedule or read-once exchange plan (``_exchange.plan_exchange``), and the same fill code (``_loading._fill``) against a reader that counts the
+schedule or read-once exchange plan (``_exchange.plan_exchange``), and the same fill code (``_execute.fill``) against a reader that counts the
 bytes it is asked for instead of reading them (outputs on the meta device). So the bytes a
 plan states are the bytes a load of the same call reads; tests/distributed/test_load_plan.py
 holds the two equal on real gloo ranks.
@@ -21,7 +21,8 @@ import torch
 from ._dist import Group
 from ._layout import CheckpointLayout
 from ._exchange import _in_place, _merged, _shared_slots, page_cache_view
-from ._loading import (_choose, _exchange_choice, _fill, _Options, _resolve_aliases, _schedule, _want_ranges,
+from ._execute import fill
+from ._loading import (_choose, _exchange_choice, _Options, _resolve_aliases, _schedule, _want_ranges,
                        bucket_need, check_option, OptionError, state_dict_wants)
 from ._plan import BlockCopy, FlatStructure, plan_part
 from .formats import discover
@@ -240,7 +241,7 @@ def plan_load(
         for d, wants in enumerate(per_dp):
             reader = _CountingReader(opts.chunk_bytes, spans)
             for w in wants:
-                _fill(targets[w.name], w.out, w.start, reader)
+                fill(targets[w.name], w.out, w.start, reader)
             plain += reader.bytes_read
             extra = _staging_bytes(targets, wants, opts.chunk_bytes)
             ranks.append(RankPlan(d * model_parallel + m, m, d, tuple(reader.files), reader.reads,
@@ -290,10 +291,10 @@ def _parallel_part(m: int, mp_size: int, targets, per_dp, outs, plan, sizes, opt
         staged = [0] * dp_size
         for c in rnd:
             t = targets[c.name]
-            _fill(t, torch.empty(c.hi - c.lo, dtype=t.dtype, device="meta"), c.lo, readers[c.owner])
+            fill(t, torch.empty(c.hi - c.lo, dtype=t.dtype, device="meta"), c.lo, readers[c.owner])
             for r in c.self_read:
                 lo, hi = c.span_of(r)
-                _fill(t, torch.empty(hi - lo, dtype=t.dtype, device="meta"), lo, readers[r])
+                fill(t, torch.empty(hi - lo, dtype=t.dtype, device="meta"), lo, readers[r])
             for r, lo, hi in c.spans:
                 by_name = [w for w in per_dp[r] if w.name == c.name]
                 if _in_place(by_name, lo, hi, t.dtype, meta) is None:
@@ -329,7 +330,7 @@ def _broadcast_part(m: int, mp_size: int, targets, per_dp, outs, flat: bool, opt
             for e in entries:
                 t = targets[e.name]
                 view = torch.empty(e.length, dtype=t.dtype, device="meta")
-                _fill(t, view, e.start, reader)
+                fill(t, view, e.start, reader)
                 size = e.offset + _nbytes(view)
             for d in range(1, dp_size):
                 received[d] += size
@@ -351,7 +352,7 @@ def _broadcast_part(m: int, mp_size: int, targets, per_dp, outs, flat: bool, opt
                 continue
             for e in entries:
                 t = targets[e.name]
-                _fill(t, torch.empty(e.length, dtype=t.dtype, device="meta"), e.start, reader)
+                fill(t, torch.empty(e.length, dtype=t.dtype, device="meta"), e.start, reader)
             for d, n in hits:
                 if d != 0:
                     received[d] += n

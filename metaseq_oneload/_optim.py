@@ -318,9 +318,9 @@ def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Calla
 def materialize(plan: OptimizerPlan, part: int, skeleton: Mapping, *, structure: Optional[FlatStructure] = None,
                 shard: int = 0, shards: int = 1, params: Optional[Sequence[str]] = None,
                 chunk_bytes: int = 64 << 20, trust_pickle: bool = False) -> dict:
-    """(local) :func:`rank_state` with every value read now (``_loading._fill``: only the
+    """(local) :func:`rank_state` with every value read now (``_execute.fill``: only the
     byte ranges this rank's values cover). Owns its memory (``skeleton`` may be mapped)."""
-    from ._loading import _fill
+    from ._execute import fill
     from ._reading import RangeReader
 
     with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
@@ -332,7 +332,7 @@ def materialize(plan: OptimizerPlan, part: int, skeleton: Mapping, *, structure:
                 if p.source is None:
                     seg.zero_()
                 else:
-                    _fill(p.source, seg, p.start, reader)
+                    fill(p.source, seg, p.start, reader)
                 pos += p.numel
             return out
 

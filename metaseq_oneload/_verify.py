@@ -2,7 +2,7 @@
 
 Both sides are planned as the full model (model parallel 1, unflattened, metaseq's names,
 split ``k/v/q_proj`` fused into ``qkv_proj``), then each tensor is read one chunk of each side
-at a time (``_loading._fill``: only the byte ranges a chunk needs). Identical bytes need no
+at a time (``_execute.fill``: only the byte ranges a chunk needs). Identical bytes need no
 arithmetic, the common case after a conversion; otherwise the chunk is compared in float64.
 """
 
@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import torch
 
 from .formats import discover
-from ._loading import _fill, check_option
+from ._execute import fill
+from ._loading import check_option
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader
 from ._writing import progress_bar
@@ -114,8 +115,8 @@ def _compare(name: str, ta: TargetTensor, tb: TargetTensor, ra: RangeReader, rb:
         n = min(step, numel - lo)
         raw_a, raw_b = scratch.raw_a[: n * ia], scratch.raw_b[: n * ib]
         xa, xb = raw_a.view(ta.dtype), raw_b.view(tb.dtype)
-        _fill(ta, xa, lo, ra)
-        _fill(tb, xb, lo, rb)
+        fill(ta, xa, lo, ra)
+        fill(tb, xb, lo, rb)
         if ta.dtype == tb.dtype and torch.equal(raw_a, raw_b):
             continue  # the common case after a conversion: no arithmetic needed
         identical = False

@@ -184,7 +184,8 @@ def test_strict_false_leaves_what_the_checkpoint_lacks_on_meta_and_says_so():
 @needs_fixtures
 def test_own_shard_reads_only_its_own_file():
     """Replicated tensors included: each part's reader takes them from its own file."""
-    from metaseq_oneload._loading import RangeReader, _fill
+    from metaseq_oneload._reading import RangeReader
+    from metaseq_oneload._execute import fill as _fill
     from metaseq_oneload._plan import plan_part
 
     layout = mo.inspect(FIXTURES / "mp2_ddp")
