@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from metaseq_oneload._writing import OutputSet, Piece, Record, storage_key, write_torch  # noqa: E402
+from metaseq_oneload._outputs import OutputSet  # noqa: E402
+from metaseq_oneload._writing import Record, storage_key, write_torch  # noqa: E402
 
 __all__ = ["Lazy", "metaseq_lm", "model_shape", "write_metaseq", "materialize"]
 
@@ -225,8 +226,31 @@ class _Split:
             pos += take
 
 
-def _fill(source, out: torch.Tensor, start: int) -> None:
-    source.fill(out, start)
+@dataclass(frozen=True)
+class _Piece:
+    """``numel`` elements of a synthetic ``source`` from its element ``start``: an item of a
+    :class:`Record` that :func:`_chunks` produces (no checkpoint to read from)."""
+
+    source: object
+    start: int
+    numel: int
+
+
+def _chunks(chunk_bytes: int):
+    """The writer's ``chunks`` for records of :class:`_Piece` items, through one buffer."""
+    buffer = torch.empty(chunk_bytes, dtype=torch.uint8)
+
+    def chunks(rec: Record):
+        item = torch.empty((), dtype=rec.dtype).element_size()
+        per = max(1, chunk_bytes // item)
+        for p in rec.items:
+            for lo in range(0, p.numel, per):
+                n = min(per, p.numel - lo)
+                out = buffer[: n * item].view(rec.dtype)
+                p.source.fill(out, p.start + lo)
+                yield out
+
+    return chunks
 
 
 # --------------------------------------------------------------------------- files
@@ -300,9 +324,9 @@ def write_metaseq(prefix: str, full: Full, *, model_parallel: int = 1, shards: i
                 records: dict = {}
                 model: "OrderedDict[str, torch.Tensor]" = OrderedDict()
 
-                def placeholder(shape, dtype, pieces):
+                def placeholder(shape, dtype, pieces, pad=0):
                     t = torch.empty(shape, dtype=dtype)
-                    records[storage_key(t)] = Record(tuple(pieces))
+                    records[storage_key(t)] = Record(tuple(pieces), dtype, pad)
                     return t
 
                 def flat_shard(members, sources, dtype):
@@ -313,11 +337,9 @@ def write_metaseq(prefix: str, full: Full, *, model_parallel: int = 1, shards: i
                         k = sources[n].numel
                         a, b = max(lo, off), min(hi, off + k)
                         if a < b:
-                            pieces.append(Piece(sources[n], a - off, b - a, dtype))
+                            pieces.append(_Piece(sources[n], a - off, b - a))
                         off += k
-                    if size > hi - lo:
-                        pieces.append(Piece(None, 0, size - (hi - lo), dtype))
-                    return placeholder((size,), dtype, pieces), size - (hi - lo)
+                    return placeholder((size,), dtype, pieces, size - (hi - lo)), size - (hi - lo)
 
                 meta = {"param_metadata": [], "buffer_names": list(buffers)}
                 if flat:
@@ -344,7 +366,7 @@ def write_metaseq(prefix: str, full: Full, *, model_parallel: int = 1, shards: i
                     model.update(buffers)
                     for n in names:
                         p = parts[n]
-                        model[n] = placeholder(p.shape, p.full.dtype, [Piece(p, 0, p.numel, p.full.dtype)])
+                        model[n] = placeholder(p.shape, p.full.dtype, [_Piece(p, 0, p.numel)])
                     if tied:
                         model["decoder.output_projection.weight"] = model["decoder.embed_tokens.weight"]
                 obj: dict = {
@@ -370,7 +392,7 @@ def write_metaseq(prefix: str, full: Full, *, model_parallel: int = 1, shards: i
                             state[i] = {"step": num_updates}
                             for k, srcs in opt_sources.items():
                                 p = srcs[n]
-                                state[i][k] = placeholder(p.shape, torch.float32, [Piece(p, 0, p.numel, torch.float32)])
+                                state[i][k] = placeholder(p.shape, torch.float32, [_Piece(p, 0, p.numel)])
                     obj["last_optimizer_state"] = {
                         "state": state,
                         "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0,
@@ -378,7 +400,7 @@ def write_metaseq(prefix: str, full: Full, *, model_parallel: int = 1, shards: i
                     }
                 if flat:
                     obj["shard_metadata"] = meta
-                write_torch(outputs.temp(path), obj, records, _fill, chunk_bytes=int(chunk_mb * (1 << 20)))
+                write_torch(outputs.temp(path), obj, records, _chunks(int(chunk_mb * (1 << 20))))
         outputs.commit()
     except BaseException:
         outputs.abort()

@@ -36,9 +36,9 @@ _INSPECT = (
 )
 
 _HEADERS = (  # the first read warms what a process does once (lazy imports, allowlists), then the caches go
-    "import glob, time, torch, numpy; from metaseq_oneload import _reading; "
+    "import glob, time, torch, numpy; from metaseq_oneload import _header, _reading, _zip; "
     "ps = sorted(glob.glob({folder!r} + '/*.pt')); _reading.read_header(ps[0]); "
-    "_reading._cached_header.cache_clear(); _reading._zip_index.cache_clear(); "
+    "_header._cached_header.cache_clear(); _zip.zip_index.cache_clear(); "
     "t = time.perf_counter(); [_reading.read_header(p) for p in ps]; print((time.perf_counter() - t) / len(ps) * 1e3)"
 )
 
@@ -49,24 +49,24 @@ import torch.multiprocessing as mp
 
 def worker(rank, world, path, store, out):
     import metaseq_oneload as o
-    from metaseq_oneload import _reading
+    from metaseq_oneload import _header
     from metaseq_oneload.formats import _index
     counts = {"unpickled": 0, "identities": 0}
-    real_load, real_id = _reading._torch_load, _index.file_identity
+    real_load, real_id = _header.torch_load, _index.file_identity
     def load(p, **kw):
         counts["unpickled"] += 1
         return real_load(p, **kw)
     def ident(p):
         counts["identities"] += 1
         return real_id(p)
-    _reading._torch_load, _index.file_identity = load, ident
+    _header.torch_load, _index.file_identity = load, ident
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     dist.barrier()
     first = []
     t = time.perf_counter()
     o.load_state_dict(path, process_group=dist.group.WORLD,
-                      progress=lambda n: first.append(time.perf_counter() - t) if not first else None)
+                      progress=lambda done, total: first.append(time.perf_counter() - t) if not first else None)
     total = time.perf_counter() - t
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({**counts, "first_byte_s": first[0] if first else None, "total_s": total}, f)

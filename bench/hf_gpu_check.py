@@ -23,8 +23,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 sys.path.insert(0, os.getcwd())
 from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 
-from metaseq_oneload._hf import from_pretrained, fully_shard_blocks  # noqa: E402
-from metaseq_oneload._loading import _is_dtensor  # noqa: E402
+from metaseq_oneload import from_pretrained  # noqa: E402
+from metaseq_oneload.hf import fully_shard_blocks  # noqa: E402
+from metaseq_oneload._into import is_dtensor as _is_dtensor  # noqa: E402
 
 
 def status(key):

@@ -53,8 +53,9 @@ def _worker(rank: int, world: int, init_file: str, mode: str, folder: str, queue
         import torch.distributed as dist
         from transformers import T5ForConditionalGeneration
 
-        from metaseq_oneload import from_pretrained, fully_shard_blocks
-        from metaseq_oneload._loading import _is_dtensor
+        from metaseq_oneload import from_pretrained
+        from metaseq_oneload.hf import fully_shard_blocks
+        from metaseq_oneload._into import is_dtensor as _is_dtensor
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         gc.collect()

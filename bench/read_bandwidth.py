@@ -58,7 +58,7 @@ def _child(mode: str, path: str, threads: int) -> dict:
     import torch
 
     import metaseq_oneload as oneload
-    from metaseq_oneload._reading import safe_globals
+    from metaseq_oneload._allowlist import safe_globals
 
     # Imports before the clock starts (the engine's modules and omegaconf, which the
     # allowlist takes its classes from: ~0.4 s here, once per process).

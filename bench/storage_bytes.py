@@ -10,7 +10,7 @@ and as a ``torch.distributed.checkpoint`` folder, all under /tmp (deleted afterw
 forked from a server that has only imported the libraries, so no cache of a previous run
 survives):
 
-* ours: ``load_checkpoint`` for every strategy of ``metaseq_oneload._loading.STRATEGIES``
+* ours: ``load_checkpoint`` for every strategy of ``metaseq_oneload._options.STRATEGIES``
   (``own_shard`` only where the saved files match the world), ``flat`` True and False,
   from the singleton and from the 4 shards;
 * the peers: every rank ``torch.load`` (``mmap=False``; ``mmap=True`` then a copy of every
@@ -94,7 +94,7 @@ def _prepare(kind: str, files: dict, dims: dict):
     import torch.distributed as dist
 
     import metaseq_oneload as oneload
-    from metaseq_oneload._reading import safe_globals
+    from metaseq_oneload._allowlist import safe_globals
 
     safe_globals()  # imports omegaconf (the allowlist), as any earlier load in the process would have
     group = dist.group.WORLD
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.25, 0.5, 1, 2], help="model sizes in GiB (fp32)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 3, 4])
-    ap.add_argument("--strategies", help="comma-separated; default: every one in metaseq_oneload._loading.STRATEGIES")
+    ap.add_argument("--strategies", help="comma-separated; default: every one in metaseq_oneload._options.STRATEGIES")
     ap.add_argument("--sources", default="single,shards4", help="comma-separated: single, shards4")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", help="comma-separated run kinds (e.g. torch.load,runai-dist,ours:single:parallel:full)")
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jsonl", help="also append every row to this file as it is measured")
     args = ap.parse_args(argv)
 
-    from metaseq_oneload._loading import STRATEGIES
+    from metaseq_oneload._options import STRATEGIES
 
     strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
     sources = args.sources.split(",")

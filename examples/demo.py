@@ -26,7 +26,6 @@ from argparse import Namespace
 import torch
 
 import metaseq_oneload as oneload
-from metaseq_oneload._convert import convert
 
 DIM, FFN, HEADS, LAYERS, VOCAB, POSITIONS = 32, 64, 4, 2, 64, 18
 
@@ -76,8 +75,8 @@ def write_fairseq_styles(root: str) -> None:
     also writes) and ``X_part{k}.pt`` (checkpoint_shard_count > 1, metadata under
     ``fsdp_metadata``), made from the 1x2 flat conversion."""
     src = os.path.join(root, "fsdp_1x2")
-    convert(os.path.join(root, "singleton"), os.path.join(src, "checkpoint_10"), model_parallel=1, shards=2,
-            flat=True, overwrite=True, progress=False)
+    oneload.convert(os.path.join(root, "singleton"), os.path.join(src, "checkpoint_10"), model_parallel=1, shards=2,
+                    flat=True, overwrite=True, progress=False)
     for name in ("fairseq_shards", "fairseq_parts"):
         os.makedirs(os.path.join(root, name), exist_ok=True)
     for d in range(2):
@@ -108,8 +107,8 @@ def main(argv=None) -> int:
         single = os.path.join(root, "singleton", "checkpoint_10.pt")
         write_singleton(single)
         for name, (m, d, flat) in LAYOUTS.items():
-            convert(single, os.path.join(root, name, "checkpoint_10"), model_parallel=m, shards=d, flat=flat,
-                    overwrite=True, progress=False)
+            oneload.convert(single, os.path.join(root, name, "checkpoint_10"), model_parallel=m, shards=d, flat=flat,
+                            overwrite=True, progress=False)
         write_fairseq_styles(root)
 
         print(f"1. A tiny checkpoint in every layout, written to {root}, as `metaseq-oneload inspect` sees it:\n")

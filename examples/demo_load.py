@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 import metaseq_oneload as oneload
-from metaseq_oneload._plan import flat_shard_range
 
 
 def _kib(field: str) -> int:
@@ -32,8 +31,11 @@ def _expected_flat(ref: dict, metadata: dict, key: str, rank: int, world: int) -
                 continue
             names = [f"{pm['fsdp_path']}.{n}" if pm["fsdp_path"] else n for n in v["names"]]
             full = torch.cat([ref[n].flatten() for n in names])
-            lo, hi, size = flat_shard_range(full.numel(), rank, world)
-            return torch.cat([full[lo:hi], full.new_zeros(size - (hi - lo))])
+            # fairscale's sharding, written out as the independent check: torch.chunk into
+            # ceil(n / world) pieces, the tail zero-padded.
+            size = -(-full.numel() // world)
+            piece = full[rank * size:(rank + 1) * size]
+            return torch.cat([piece, full.new_zeros(size - piece.numel())])
     raise KeyError(key)
 
 

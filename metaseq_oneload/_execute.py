@@ -1,4 +1,4 @@
-"""The one place checkpoint bytes land in memory.
+"""The one place checkpoint bytes land in memory, and the executor of a load's plan.
 
 Every verb (a load on any strategy, ``convert``, ``consolidate``, ``export-hf``, ``verify``,
 optimizer state) reads through :func:`fill`: the elements ``start..start+len(out)`` of a
@@ -6,22 +6,43 @@ planned target tensor, read by byte range from the stored pieces that hold them 
 ranges; padding and model-parallel splits handled exactly), with every check the reader
 makes. :func:`fill_all` fills a rank's wants; :func:`stream` hands a sink the chunks of a
 list of :class:`ReadItem` in order, through one reusable buffer (a file being written, a
-running comparison).
+running comparison). :func:`execute` carries out a load's :class:`~._planner.PartPlan`
+exactly: each rank's own reads, or the broadcast buckets, or the pieces sent point to point,
+or the read-once exchange's rounds, as the plan's value says; nothing about the route is
+decided here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from ._dist import Group, first_failure
 from ._errors import CheckpointLayoutError
+from ._exchange import exchange_loop
 from ._layout import StoredTensor
 from ._plan import BlockCopy, FlatCopy, TargetTensor
 from ._storage import is_url
 
-__all__ = ["ReadItem", "fill", "fill_all", "stream", "read_stored", "plain_runs"]
+__all__ = ["ReadItem", "Want", "fill", "fill_all", "stream", "read_stored", "plain_runs", "execute", "counting",
+           "sum64", "pieces", "bucket_need"]
+
+
+@dataclass(frozen=True)
+class Want:
+    """This rank needs elements ``start .. start + out.numel()`` of target ``name``
+    (flattened) written into 1-D ``out``."""
+
+    name: str
+    start: int
+    out: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.out.numel()
 
 
 @dataclass(frozen=True)
@@ -152,3 +173,253 @@ def stream(items: Sequence[ReadItem], targets: Mapping[str, TargetTensor], reade
             out = buffer[: (hi - lo) * itemsize].view(t.dtype)
             fill(t, out, lo, reader)
             yield ReadItem(item.name, lo, hi), out
+
+
+# --------------------------------------------------------------------------- the executor
+
+
+def counting(progress: Optional[Callable[[int, int], None]], total: int) -> Optional[Callable[[int], None]]:
+    """(local) What the loops call with each landed piece's bytes: ``progress`` with (bytes
+    done so far, ``total``), the shape of every verb's callback."""
+    if progress is None:
+        return None
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress(done, total)
+
+    return advance
+
+
+def sum64(t: torch.Tensor, step: int = 1 << 20) -> float:
+    """float64 sum of a 1-D tensor, a chunk at a time (no float64 copy of the whole)."""
+    t = t.detach()
+    return sum(float(t[i: i + step].double().sum()) for i in range(0, t.numel(), step))
+
+
+def execute(part, dp: Group, targets: Mapping[str, TargetTensor], wants: Sequence[Want], ranges: Sequence,
+            reader, shm_dir: str, verify: bool, advance) -> tuple:
+    """(collective over ``dp``) Carry out ``part`` (a ``_planner.PartPlan``): its mode, its
+    buckets or rounds, its channels. Returns (this rank's error or None, per-target sums of
+    what arrived by broadcast (for verify), bytes moved {received, from_other_nodes, sent}).
+    Never raises: the caller settles, so every rank leaves after the same collectives."""
+    if part.mode == "broadcast":
+        error, sums = _broadcast_loop(dp, part.schedule, targets, wants, reader, verify, advance)
+        return error, sums, {}
+    if part.mode == "scatter":
+        return _scatter_loop(dp, part.schedule, targets, wants, ranges, reader, advance), {}, {}
+    if part.mode == "exchange":
+        shm = shm_dir if any(t.channel == "shm" for t in part.transfers) else None
+        error, moved = exchange_loop(dp, part.exchange, targets, wants, reader, fill, advance, shm)
+        return error, {}, moved
+    try:
+        fill_all(targets, wants, reader, advance)
+    except Exception as e:
+        return e, {}, {}
+    return None, {}, {}
+
+
+def _broadcast_loop(dp: Group, buckets: Sequence, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
+                    reader, verify: bool, advance) -> tuple:
+    """(collective over ``dp``) Rank 0 reads and broadcasts; everyone copies what it
+    wants. For loads where every rank wants everything (``flat=False``). Returns (this
+    rank's error or None, per-target sums of what arrived, for verify)."""
+    by_name = _by_name(wants)
+    sums: dict = {}
+    status = torch.zeros(1, dtype=torch.int64, device=dp.device)
+    bucket, error = None, None
+    try:
+        if any(not b.direct for b in buckets):
+            bucket = torch.empty(bucket_need(buckets, targets), dtype=torch.uint8, device=dp.device)
+    except Exception as exc:  # e.g. out of (GPU) memory: say so before anyone waits
+        error = exc
+    error = first_failure(dp, error)
+    if error is not None:
+        return error, sums
+    step = dp.step
+    for k, b in enumerate(buckets):
+        dp.at(f"{step} (broadcast, bucket {k + 1} of {len(buckets)})")
+        if b.direct:
+            e = b.entries[0]
+            views = [by_name[e.name][0].out[e.start: e.start + e.length]]
+        else:
+            views = _bucket_views(bucket, b.entries, targets)
+
+        def read(entries=b.entries, views=views):
+            for e, v in zip(entries, views):
+                fill(targets[e.name], v, e.start, reader)
+
+        failed, stop = _announce(dp, status, read)
+        error = error or failed
+        if stop:
+            break
+        if b.direct:
+            dp.broadcast(views[0])
+        else:
+            dp.broadcast(bucket[: b.entries[-1].offset + views[-1].numel() * views[-1].element_size()])
+        if error is not None:
+            continue  # this rank already failed; keep the stream in step, copy nothing
+        try:
+            for e, v in zip(b.entries, views):
+                if verify:
+                    sums[e.name] = sums.get(e.name, 0.0) + sum64(v)
+                if not b.direct:
+                    _scatter_local(by_name.get(e.name, ()), e, v)
+            if advance:
+                advance(sum(v.numel() * v.element_size() for v in views))
+        except Exception as exc:
+            error = exc
+    return error, sums
+
+
+def _by_name(wants: Sequence[Want]) -> dict:
+    out: dict = {}
+    for w in wants:
+        out.setdefault(w.name, []).append(w)
+    return out
+
+
+def bucket_need(buckets: Sequence, targets: Mapping[str, TargetTensor]) -> int:
+    """The staging bucket a schedule's shared buckets fill: the largest of them (at most
+    ``bucket_mb``; a checkpoint smaller than the bucket gets a bucket its own size)."""
+    need = 0
+    for b in buckets:
+        if not b.direct and b.entries:
+            e = b.entries[-1]
+            need = max(need, e.offset + e.length * torch.empty((), dtype=targets[e.name].dtype).element_size())
+    return need
+
+
+def _announce(dp: Group, status: torch.Tensor, read: Callable[[], None]) -> tuple:
+    """(collective over ``dp``) Rank 0 runs ``read`` (fills the next bucket) and tells
+    everyone whether it could, before anyone waits for data that would never come.
+    Returns (rank 0's exception or None, whether every rank must stop)."""
+    error = None
+    if dp.rank == 0:
+        try:
+            read()
+            status.fill_(0)
+        except Exception as exc:
+            error, _ = exc, status.fill_(1)
+    dp.broadcast(status)
+    return error, bool(status.item())
+
+
+def _bucket_views(bucket: torch.Tensor, entries: Sequence, targets: Mapping[str, TargetTensor]) -> list:
+    views = []
+    for e in entries:
+        t = targets[e.name]
+        nbytes = e.length * torch.empty((), dtype=t.dtype).element_size()
+        views.append(bucket[e.offset: e.offset + nbytes].view(t.dtype))
+    return views
+
+
+def _scatter_local(wants: Sequence[Want], e, v: torch.Tensor) -> None:
+    """Copy the parts of bucket entry ``e`` (data ``v``) that ``wants`` cover."""
+    for w in wants:
+        lo, hi = max(w.start, e.start), min(w.stop, e.start + e.length)
+        if lo < hi:
+            w.out[lo - w.start: hi - w.start].copy_(v[lo - e.start: hi - e.start])
+
+
+def pieces(entries: Sequence, ranges: Sequence[Mapping]) -> list:
+    """(entry index, rank, lo, hi, want index on that rank) for every piece of these
+    entries some rank wants, in the one order every rank walks."""
+    out = []
+    for i, e in enumerate(entries):
+        for r, rr in enumerate(ranges):
+            for name, start, stop, _, k in rr.get(e.name, ()):
+                lo, hi = max(start, e.start), min(stop, e.start + e.length)
+                if lo < hi:
+                    out.append((i, r, lo, hi, k))
+    return out
+
+
+def _scatter_loop(dp: Group, buckets: Sequence, targets: Mapping[str, TargetTensor], wants: Sequence[Want],
+                  ranges: Sequence, reader, advance) -> Optional[BaseException]:
+    """(collective over ``dp``) Rank 0 reads a bucket at a time and sends every rank
+    exactly its pieces, point to point; receivers take them straight into their output
+    tensors. For loads where ranks want different pieces (flat shards, DTensor shards):
+    each byte crosses the wire once, and receivers hold no bucket. Returns this rank's
+    error or None."""
+    by_name = _by_name(wants)
+    status = torch.zeros(1, dtype=torch.int64, device=dp.device)
+    bucket, error = None, None
+    try:
+        if dp.rank == 0:
+            bucket = torch.empty(bucket_need(buckets, targets), dtype=torch.uint8, device=dp.device)
+    except Exception as exc:
+        error = exc
+    error = first_failure(dp, error)
+    if error is not None:
+        return error
+    tag, step = 0, dp.step
+    for k, b in enumerate(buckets):
+        found = pieces(b.entries, ranges)
+        if not found:
+            continue
+        dp.at(f"{step} (scatter, bucket {k + 1} of {len(buckets)})")
+        views = _bucket_views(bucket, b.entries, targets) if dp.rank == 0 else None
+
+        def read(entries=b.entries, views=views):
+            for e, v in zip(entries, views):
+                fill(targets[e.name], v, e.start, reader)
+            for e, v in zip(entries, views):
+                _scatter_local(by_name.get(e.name, ()), e, v)
+            if advance:
+                advance(sum(v.numel() * v.element_size() for v in views))
+
+        failed, stop = _announce(dp, status, read)
+        error = error or failed
+        if stop:
+            break
+        posts, landing, got, error = _landing(dp, found, b.entries, wants, targets, error)
+        if dp.all_max(0 if error is None else 1):  # only if every receiver has room does anyone send
+            break
+        with dp.guard():
+            handles = []
+            for j, (i, r, lo, hi, _) in enumerate(found):
+                if dp.rank == 0 and r != 0:
+                    e = b.entries[i]
+                    handles.append(dist.isend(views[i][lo - e.start: hi - e.start], dst=dp.global_of(r),
+                                              group=dp.group, tag=tag + j))
+                elif j in posts:
+                    handles.append(dist.irecv(posts[j], src=dp.global_of(0), group=dp.group, tag=tag + j))
+            tag += len(found)
+            dp.wait_all(handles)  # a peer that raised out of the load is noticed here too
+        if dp.rank != 0:
+            try:
+                for out, tmp in landing:
+                    out.copy_(tmp)
+                if advance and got:
+                    advance(got)
+            except Exception as exc:
+                error = exc
+    return error
+
+
+def _landing(dp: Group, found: Sequence, entries: Sequence, wants: Sequence[Want],
+             targets: Mapping[str, TargetTensor], error: Optional[BaseException]) -> tuple:
+    """(local) A receiver's landing places for its pieces of one bucket: (receive buffer by
+    piece, (output, staging) pairs to copy after, bytes, error)."""
+    posts, landing, got = {}, [], 0
+    if dp.rank == 0 or error is not None:
+        return posts, landing, got, error
+    try:
+        for j, (i, r, lo, hi, widx) in enumerate(found):
+            if r != dp.rank:
+                continue
+            w = wants[widx]
+            out = w.out[lo - w.start: hi - w.start]
+            t = targets[entries[i].name]
+            if out.dtype == t.dtype and out.device == dp.device and out.is_contiguous():
+                posts[j] = out
+            else:
+                posts[j] = torch.empty(hi - lo, dtype=t.dtype, device=dp.device)
+                landing.append((out, posts[j]))
+            got += (hi - lo) * out.element_size()
+    except Exception as exc:
+        return posts, landing, got, exc
+    return posts, landing, got, None

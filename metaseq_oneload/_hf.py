@@ -1,5 +1,7 @@
-"""Hugging Face models, read once: :func:`from_pretrained`, :func:`empty_model`,
-:func:`fully_shard_blocks`, and the ``export-hf`` command (its machinery is ``_hf_export.py``).
+"""Hugging Face models, read once: :func:`from_pretrained` (public at the top level) and the
+helpers around it, :func:`empty_model`, :func:`fully_shard_blocks` and
+:func:`fsdp1_param_init_fn` (public in ``metaseq_oneload.hf``). The ``export-hf`` direction is
+``_hf_export.py``.
 
 ``from_pretrained`` is the answer to "under torchrun every rank calls
 ``T5ForConditionalGeneration.from_pretrained`` and the machine holds N copies":
@@ -37,7 +39,8 @@ from torch import nn
 
 from ._dist import Group, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
-from ._loading import _is_dtensor, _owner, load_into
+from ._into import is_dtensor, owner_of
+from ._loading import load_into
 
 __all__ = ["from_pretrained", "empty_model", "fully_shard_blocks", "fsdp1_param_init_fn"]
 
@@ -61,26 +64,26 @@ def _looks_like_repo_id(s: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", s)) and ".." not in s
 
 
-def _resolve(name_or_path: str, hub_kwargs: Optional[Mapping]) -> str:
-    """(coordinator) A local folder for ``name_or_path``, downloading a Hub repo id once."""
-    if os.path.exists(name_or_path):
-        return os.path.abspath(name_or_path)
-    if not _looks_like_repo_id(name_or_path):
+def _resolve(path: str, hub_kwargs: Optional[Mapping]) -> str:
+    """(coordinator) A local folder for ``path``, downloading a Hub repo id once."""
+    if os.path.exists(path):
+        return os.path.abspath(path)
+    if not _looks_like_repo_id(path):
         raise CheckpointNotFoundError(
-            f"{name_or_path}: no such file or folder on the coordinating rank (rank 0 of the group). Pass the "
+            f"{path}: no such file or folder on the coordinating rank (rank 0 of the group). Pass the "
             "folder save_pretrained wrote, or a Hugging Face Hub repo id such as google/flan-t5-xxl.")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
         raise CheckpointNotFoundError(
-            f"{name_or_path}: not a local path, and huggingface_hub (to download it) is not installed.") from e
+            f"{path}: not a local path, and huggingface_hub (to download it) is not installed.") from e
     try:
-        folder = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"], **dict(hub_kwargs or {}))
+        folder = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"], **dict(hub_kwargs or {}))
         if not any(n.endswith(".safetensors") for n in os.listdir(folder)):
-            folder = snapshot_download(name_or_path, allow_patterns=["*.json", "*.bin"], **dict(hub_kwargs or {}))
+            folder = snapshot_download(path, allow_patterns=["*.json", "*.bin"], **dict(hub_kwargs or {}))
     except Exception as e:
         raise CheckpointNotFoundError(
-            f"{name_or_path}: not a local path, and downloading it from the Hugging Face Hub failed "
+            f"{path}: not a local path, and downloading it from the Hugging Face Hub failed "
             f"({type(e).__name__}: {e}). Download it once (huggingface-cli download) and pass the folder.") from e
     return folder
 
@@ -92,11 +95,11 @@ def _read_json(path: str) -> Optional[dict]:
         return json.load(f)
 
 
-def _read_source(name_or_path: str, need_config: bool, hub_kwargs, trust_pickle: bool) -> _Source:
+def _read_source(path: str, need_config: bool, hub_kwargs, trust_pickle: bool) -> _Source:
     """(coordinator, local) The folder, its config and its tensor names (headers only)."""
     from .formats import discover
 
-    path = _resolve(name_or_path, hub_kwargs)
+    path = _resolve(path, hub_kwargs)
     layout = discover(path, trust_pickle=trust_pickle)
     folder = layout.directory
     config = None
@@ -118,15 +121,15 @@ def _default_group(process_group):
     return None
 
 
-def _coordinate(group: Group, name_or_path: str, need_config: bool, hub_kwargs, trust_pickle: bool) -> _Source:
+def _coordinate(group: Group, path: str, need_config: bool, hub_kwargs, trust_pickle: bool) -> _Source:
     """(collective over ``group``) Rank 0 reads the source; everyone gets the same answer."""
     source, error = None, None
     if group.rank == 0:
         try:
-            source = _read_source(name_or_path, need_config, hub_kwargs, trust_pickle)
+            source = _read_source(path, need_config, hub_kwargs, trust_pickle)
         except Exception as e:  # reaches every rank through settle
             error = e
-    settle([group], error, f"from_pretrained {name_or_path}: reading the config")
+    settle([group], error, f"from_pretrained {path}: reading the config")
     payload = group.broadcast_bytes(json.dumps(asdict(source)).encode() if group.rank == 0 else None)
     if group.rank == 0:
         return source
@@ -287,20 +290,20 @@ def _build(model_cls, config, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _prepare(model_cls, name_or_path, config, group: Group, dtype, hub_kwargs, trust_pickle, config_kwargs):
+def _prepare(model_cls, path, config, group: Group, dtype, hub_kwargs, trust_pickle, config_kwargs):
     """(collective over ``group`` when a path is given) (model on meta, source or None)."""
     source = None
-    if name_or_path is not None:
-        source = _coordinate(group, os.fspath(name_or_path), config is None, hub_kwargs, trust_pickle)
+    if path is not None:
+        source = _coordinate(group, os.fspath(path), config is None, hub_kwargs, trust_pickle)
     if config is None:
         if source is None:
-            raise ValueError("empty_model needs name_or_path or config.")
+            raise ValueError("empty_model needs path or config.")
         config = _config_from(model_cls, source.config, config_kwargs)
     elif config_kwargs:
         for k, v in config_kwargs.items():
             setattr(config, k, v)
-    if name_or_path is not None:
-        config._name_or_path = os.fspath(name_or_path)
+    if path is not None:
+        config._name_or_path = os.fspath(path)  # what transformers' own from_pretrained records
     model = _build(model_cls, config, _resolve_dtype(dtype, config))
     if source is not None and source.generation_config and getattr(model, "generation_config", None) is not None:
         from transformers import GenerationConfig
@@ -311,7 +314,7 @@ def _prepare(model_cls, name_or_path, config, group: Group, dtype, hub_kwargs, t
 
 def empty_model(
     model_cls,
-    name_or_path: "str | os.PathLike | None" = None,
+    path: "str | os.PathLike | None" = None,
     *,
     config=None,
     process_group: Optional["dist.ProcessGroup"] = None,
@@ -320,7 +323,7 @@ def empty_model(
     trust_pickle: bool = False,
     **config_kwargs,
 ) -> nn.Module:
-    """(collective over ``process_group`` when ``name_or_path`` is given) The model built
+    """(collective over ``process_group`` when ``path`` is given) The model built
     from its config with every parameter on the ``meta`` device and real buffers.
 
     Rank 0 of the group reads ``config.json`` and broadcasts it, so ranks that cannot see
@@ -329,7 +332,7 @@ def empty_model(
 
     Args:
         model_cls: a transformers model class (``T5ForConditionalGeneration``) or Auto class.
-        name_or_path: a folder written by ``save_pretrained`` or a Hub repo id (downloaded
+        path: a folder written by ``save_pretrained`` or a Hub repo id (downloaded
             once, by rank 0). None: build from ``config`` alone (no collective).
         config: a ``PretrainedConfig`` to use instead of the folder's ``config.json``.
         process_group: the group to coordinate over; None: the default group when
@@ -340,7 +343,7 @@ def empty_model(
         **config_kwargs: override config attributes (e.g. ``dropout_rate=0.0``).
     """
     group = Group(_default_group(process_group))
-    model, _ = _prepare(model_cls, name_or_path, config, group, dtype, hub_kwargs, trust_pickle, config_kwargs)
+    model, _ = _prepare(model_cls, path, config, group, dtype, hub_kwargs, trust_pickle, config_kwargs)
     return model
 
 
@@ -369,7 +372,7 @@ def _check_keys(model: nn.Module, names: Sequence[str], ignore_unexpected: Itera
         sd_names.update(group)
         if any(n in ckpt for n in group):
             continue
-        owner, leaf = _owner(model, group[0])
+        owner, leaf = owner_of(model, group[0])
         if leaf in owner._buffers and owner._buffers[leaf] is not None and owner._buffers[leaf].device.type != "meta":
             lenient = True
             continue
@@ -409,7 +412,7 @@ def _unpersisted(model: nn.Module, names: Sequence[str]) -> dict:
 
 def _restore(model: nn.Module, kept: Mapping[str, torch.Tensor], device: torch.device) -> None:
     for n, saved in kept.items():
-        owner, leaf = _owner(model, n)
+        owner, leaf = owner_of(model, n)
         current = owner._buffers.get(leaf)
         if current is saved and current.device == device:
             continue
@@ -421,9 +424,9 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
     built them (CPU) too. A buffer shared by several modules stays one tensor."""
     moved: dict = {}
     for n, b in list(model.named_buffers(remove_duplicate=False)):
-        if b is None or _is_dtensor(b) or b.device == device:
+        if b is None or is_dtensor(b) or b.device == device:
             continue
-        owner, leaf = _owner(model, n)
+        owner, leaf = owner_of(model, n)
         owner._buffers[leaf] = moved.setdefault(id(b), b.to(device))
 
 
@@ -461,7 +464,7 @@ def _fsdp2_offload(model: nn.Module) -> tuple:
 def _mesh_device(model: nn.Module) -> Optional[torch.device]:
     """The device of the FSDP2 mesh the parameters are sharded over, None when unsharded."""
     for p in model.parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             kind = p.device_mesh.device_type
             if kind == "cpu":
                 return torch.device("cpu")
@@ -499,7 +502,7 @@ def _placement(model: nn.Module, device) -> tuple:
 
 def from_pretrained(
     model_cls,
-    name_or_path: "str | os.PathLike",
+    path: "str | os.PathLike",
     *,
     process_group: Optional["dist.ProcessGroup"] = None,
     fsdp: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None,
@@ -513,7 +516,7 @@ def from_pretrained(
     verify: bool = False,
     hub_kwargs: Optional[Mapping] = None,
     trust_pickle: bool = False,
-    progress: "Optional[bool] | Callable[[int], None]" = None,
+    progress: "Optional[bool] | Callable[[int, int], None]" = None,
     return_report: bool = False,
     **config_kwargs,
 ):
@@ -531,7 +534,7 @@ def from_pretrained(
     Args:
         model_cls: the transformers class to build (``T5ForConditionalGeneration``) or an
             Auto class (``AutoModelForSeq2SeqLM``).
-        name_or_path: a folder written by ``save_pretrained`` (``model.safetensors``, a sharded
+        path: a folder written by ``save_pretrained`` (``model.safetensors``, a sharded
             ``model.safetensors.index.json`` set, or ``pytorch_model.bin`` read through the
             allowlisted unpickler), or a Hub repo id that rank 0 downloads once.
         process_group: the ranks that load together; None: the default group when
@@ -553,7 +556,8 @@ def from_pretrained(
         verify: compare what was loaded with an independent (memory-mapped) read of the files.
         hub_kwargs: passed to ``huggingface_hub.snapshot_download`` on rank 0.
         trust_pickle: for ``pytorch_model.bin`` needing classes outside the allowlist. Unsafe.
-        progress: a progress bar (default: on a terminal, rank 0, >= 256 MiB), or a callable.
+        progress: a progress bar (default: on a terminal, rank 0, >= 256 MiB), or a callable
+            called with (bytes done so far, bytes in all).
         return_report: also return the :class:`~metaseq_oneload.LoadReport`.
         **config_kwargs: override config attributes (e.g. ``dropout_rate=0.0``).
 
@@ -564,7 +568,7 @@ def from_pretrained(
         StateDictMismatchError: on every rank, before anything is read, when the checkpoint
             misses tensors of the model or holds tensors the model does not have.
         DistributedLoadError: on every rank, when any rank failed (the message names each).
-        CheckpointNotFoundError: nothing at ``name_or_path`` on rank 0 (single process).
+        CheckpointNotFoundError: nothing at ``path`` on rank 0 (single process).
 
     Example::
 
@@ -572,7 +576,7 @@ def from_pretrained(
                                 fsdp=fully_shard_blocks(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
     """
     group = Group(_default_group(process_group))
-    model, source = _prepare(model_cls, name_or_path, config, group, dtype, hub_kwargs, trust_pickle, config_kwargs)
+    model, source = _prepare(model_cls, path, config, group, dtype, hub_kwargs, trust_pickle, config_kwargs)
     # Judged the Hugging Face way here; what it lets through (ignored tensors, computed
     # buffers) load_into must skip instead of refusing, and it still checks every shape.
     lenient = _check_keys(model, source.names, ignore_unexpected, source.path)
@@ -584,17 +588,17 @@ def from_pretrained(
     # A rank reads the folder it was given when it sees it. A Hub id is where rank 0
     # downloaded it (seen by the ranks of its node). A rank that sees nothing receives
     # everything from rank 0 by broadcast.
-    local = os.fspath(name_or_path)
-    path = local if os.path.exists(local) or not _looks_like_repo_id(local) else source.path
-    report = load_into(model, path, process_group=group.group if group.active else None, no_dist=not group.active,
+    local = os.fspath(path)
+    where = local if os.path.exists(local) or not _looks_like_repo_id(local) else source.path
+    report = load_into(model, where, process_group=group.group if group.active else None, no_dist=not group.active,
                        strategy=strategy,
                        strict=not lenient, device=target, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                        trust_pickle=trust_pickle, progress=progress)
     _restore(model, kept, buffers_on)
     _buffers_to(model, buffers_on)  # with CPU offload: not where the parameters are, where the forward runs
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-            if not _is_dtensor(t) and t.device.type == "meta"
-            or _is_dtensor(t) and t.to_local().device.type == "meta"]
+            if not is_dtensor(t) and t.device.type == "meta"
+            or is_dtensor(t) and t.to_local().device.type == "meta"]
     if left:
         raise OneloadError(f"from_pretrained left {len(left)} tensor(s) without values ({', '.join(left[:5])}); "
                            "this is a bug, please report it with the model class.")
@@ -646,7 +650,7 @@ def fsdp1_param_init_fn(model: nn.Module, device: "str | torch.device") -> Calla
     device = torch.device(device)
     groups: dict = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(_owner(model, name))
+        groups.setdefault(id(p), []).append(owner_of(model, name))
     tied = [members for members in groups.values() if len(members) > 1]
 
     def init(module: nn.Module) -> None:

@@ -18,8 +18,9 @@ Three things live here, none of which needs metaseq:
   model-parallel size, its backend, how it saves: the engine reshards on load), and is a
   :class:`CheckpointSettingsError` where it contradicts how the files must be read.
 
-Config dataclasses use ``typing.Optional``, not ``X | None``: omegaconf 2.1 (metaseq's pin)
-rejects PEP 604 unions. Nothing here imports torch at module level; the layout discovery it
+The public ones among these names are :mod:`metaseq_oneload.hydra`'s; the rest serve the
+start-up hook (argv handling), the integrations and the plugin. Config dataclasses use
+``typing.Optional``, not ``X | None``: omegaconf 2.1 (metaseq's pin) rejects PEP 604 unions. Nothing here imports torch at module level; the layout discovery it
 calls does, when a checkpoint is actually read.
 """
 

@@ -27,10 +27,12 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ._errors import reading
+from ._placement import canonical_numels
 from ._reading import read_header
 
 __all__ = ["FileName", "CheckpointFile", "FlatParam", "StoredTensor", "ModelPart", "CheckpointSettings",
-           "CheckpointLayout"]
+           "CheckpointLayout", "ModelArgs", "model_args_of", "raw_get", "raw_keys", "known_get", "is_interpolation",
+           "plain", "omegaconf_types"]
 
 _NAME_RE = re.compile(
     r"^(?P<prefix>.+?)"
@@ -242,9 +244,8 @@ class CheckpointLayout:
     def num_params(self) -> int:
         """Elements of the model's parameters as the full model holds them: model-parallel
         replicas counted once, buffers and tied aliases not counted."""
-        from ._plan import canonical_numels  # the model-parallel rules live with the planner
-
-        return canonical_numels(self)
+        tied = bool(self.model_args().get("share_decoder_input_output_embed"))
+        return canonical_numels(self.parts, tied_embeddings=tied)
 
     @property
     def display_name(self) -> str:
@@ -338,7 +339,8 @@ _MAX_VALUES = 10_000
 _MAX_DEPTH = 32
 
 
-def _omegaconf_types() -> tuple:
+def omegaconf_types() -> tuple:
+    """(DictConfig, ListConfig), or () where OmegaConf is not installed."""
     try:
         from omegaconf import DictConfig, ListConfig
     except ImportError:
@@ -359,7 +361,7 @@ def raw_get(container: Any, key: Any) -> Any:
     text, never resolved); None where absent, missing (``???``) or unreadable."""
     if container is None:
         return None
-    oc = _omegaconf_types()
+    oc = omegaconf_types()
     if oc and isinstance(container, oc):
         try:
             if container._is_interpolation() or container._is_missing() or container._is_none():
@@ -390,7 +392,7 @@ def raw_get(container: Any, key: Any) -> Any:
 def raw_keys(container: Any) -> list:
     """The keys of a cfg section without touching its values (a DictConfig's ``in`` and
     iteration resolve them)."""
-    oc = _omegaconf_types()
+    oc = omegaconf_types()
     if oc and isinstance(container, oc[:1]):
         try:
             return list(container.keys())
@@ -403,9 +405,9 @@ def raw_keys(container: Any) -> list:
     return []
 
 
-def _get(container: Any, key: str) -> Any:
-    """``container[key]`` for dicts, DictConfigs and Namespaces, raw (:func:`raw_get`); None
-    where the value is an interpolation (unknown)."""
+def known_get(container: Any, key: str) -> Any:
+    """``container[key]`` for dicts, DictConfigs and Namespaces where it is known: raw
+    (:func:`raw_get`), None where absent or an interpolation."""
     value = raw_get(container, key)
     return None if is_interpolation(value) else value
 
@@ -420,7 +422,7 @@ def plain(value: Any, *, max_values: int = _MAX_VALUES, max_depth: int = _MAX_DE
     values or deeper than ``max_depth``. Every visit counts, so a structure shared along
     many paths (a DAG) costs at most ``max_values`` steps, not one per path."""
     budget = [max_values]
-    oc = _omegaconf_types()
+    oc = omegaconf_types()
 
     def walk(x: Any, depth: int) -> Any:
         budget[0] -= 1
@@ -474,7 +476,7 @@ def model_args_of(header: Any) -> ModelArgs:
     ``unresolved``. Empty where there are none."""
     if not isinstance(header, Mapping):
         return ModelArgs()
-    for candidate in (_get(_get(header, "cfg"), "model"), _get(header, "args")):
+    for candidate in (known_get(known_get(header, "cfg"), "model"), known_get(header, "args")):
         if candidate is None:
             continue
         out, unknown = {}, {}
@@ -487,10 +489,3 @@ def model_args_of(header: Any) -> ModelArgs:
                 unknown[k] = str(e)
         return ModelArgs(out, unresolved=unknown)
     return ModelArgs()
-    for candidate in (_get(header.get("cfg"), "model"), header.get("args")):
-        if candidate is None:
-            continue
-        if isinstance(candidate, Mapping):
-            return dict(candidate)
-        return dict(vars(candidate))
-    return {}

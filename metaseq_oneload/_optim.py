@@ -18,9 +18,11 @@ The concatenation of one flat parameter's state over its shards is read as "real
 first, padding at the tail", which also holds for what metaseq's ``reshard_fsdp`` writes (it
 keeps the padding inside the state: 4674 elements per shard for 9346 real ones).
 
-:func:`rank_state` lays out one target rank's state from an :class:`OptimizerPlan`;
-:func:`materialize` fills it now (``install()``'s Trainer.load_checkpoint), while the offline
-conversion hands the same layout to its streaming writer. Both ways give the same bytes.
+:func:`rank_state` lays out one target rank's state from an :class:`OptimizerPlan`, each
+value a :class:`~._writing.Record` of read items (:meth:`OptimizerPlan.sources` names what
+they read); :func:`materialize` has the executor land them in tensors now (``install()``'s
+Trainer.load_checkpoint), while the offline conversion has the same executor stream them
+into its files. Both ways give the same bytes.
 
 The rest of a checkpoint follows one rule too, shared by ``install()`` and the conversion:
 :func:`rest_source` says which saved file a target file takes its ``cfg``, meters and
@@ -43,10 +45,12 @@ import torch
 from ._errors import OneloadError
 from ._layout import CheckpointLayout, StoredTensor, raw_keys
 from ._plan import FlatGroup, FlatStructure, TargetTensor, plan_part
-from ._reading import Extent, key_path, read_header, storage_byte_offset
-from ._writing import Piece
+from ._reading import Extent, RangeReader, key_path, read_header, storage_byte_offset
+from ._execute import ReadItem, Want, fill_all
+from ._writing import Record, whole_record
 
-__all__ = ["OptimizerPlan", "plan_optimizer", "state_of", "flat_pieces", "rank_state", "materialize",
+__all__ = ["OptimizerPlan", "plan_optimizer", "state_of", "state_source", "flat_record", "rank_state",
+           "materialize",
            "rest_source", "same_weights_layout", "carry_extra_state"]
 
 
@@ -61,6 +65,11 @@ class OptimizerPlan:
     param_groups: tuple
     targets: tuple  # [part] -> {key: {name: TargetTensor}}; None for a part not planned
     dtypes: Mapping  # key -> dtype
+
+    def sources(self, part: int) -> dict:
+        """Target part ``part``'s planned values by source name (:func:`state_source`): what
+        the read items of :func:`rank_state`'s records name."""
+        return {state_source(k, n): t for k, planned in (self.targets[part] or {}).items() for n, t in planned.items()}
 
 
 def state_of(header: Any) -> Optional[Mapping]:
@@ -85,6 +94,25 @@ def _classify(entry: Mapping, aligned_fn: Callable[[Any], bool]) -> tuple:
     return frozenset(aligned), scalars
 
 
+class _Agreement:
+    """Every parameter's entry has the same keys, the same ones laid out like the
+    parameters, and the same scalars (``step``); the first entry sets them."""
+
+    def __init__(self):
+        self.keys = self.aligned = self.scalars = None
+        self.dtypes: dict = {}
+
+    def check(self, entry: Mapping, a: frozenset, s: Mapping) -> Optional[str]:
+        if self.keys is None:
+            self.keys, self.aligned, self.scalars = tuple(entry), a, s
+        if tuple(entry) != self.keys or a != self.aligned:
+            return "optimizer state entries hold different keys"
+        for k, v in s.items():
+            if not torch.is_tensor(v) and v != self.scalars[k]:
+                return f"optimizer state '{k}' differs between parameters ({v!r} vs {self.scalars[k]!r})"
+        return None
+
+
 def _optimizer_shadows(layout: CheckpointLayout) -> tuple:
     """(per part {key: {name: StoredTensor}}, keys, aligned, scalars, param_groups, dtypes) or
     (None, reason): the optimizer state viewed as tensors shaped like the parameters."""
@@ -100,111 +128,108 @@ def _optimizer_shadows(layout: CheckpointLayout) -> tuple:
     groups = states[0][0]["param_groups"]
     if len(groups) != 1:
         return None, f"the optimizer has {len(groups)} parameter groups; only a single group can be re-indexed"
-    keys, aligned, scalars, dtypes = None, None, None, {}
+    agreed = _Agreement()
     shadows = []
-
-    def agree(entry: Mapping, a: frozenset, s: Mapping) -> Optional[str]:
-        """Every parameter's entry has the same keys, the same ones laid out like the
-        parameters, and the same scalars (``step``); the first entry sets them."""
-        nonlocal keys, aligned, scalars
-        if keys is None:
-            keys, aligned, scalars = tuple(entry), a, s
-        if tuple(entry) != keys or a != aligned:
-            return "optimizer state entries hold different keys"
-        for k, v in s.items():
-            if not torch.is_tensor(v) and v != scalars[k]:
-                return f"optimizer state '{k}' differs between parameters ({v!r} vs {scalars[k]!r})"
-        return None
-
-    buffers_all = set(layout.parts[0].buffer_names)
     for part in layout.parts:
-        files = layout.files[part.index]
-        tensors: dict = {}
-        if part.flat_params:
-            fps = part.flat_params
-            chunks = [{} for _ in fps]
-            for d, f in enumerate(files):
-                state = states[part.index][d]["state"]
-                if sorted(state, key=str) != sorted(range(len(fps)), key=str):
-                    return None, (f"{os.path.basename(f.path)}: optimizer state for {len(state)} parameters "
-                                  f"but the file holds {len(fps)} flat parameters")
-                for i, fp in enumerate(fps):
-                    entry = state[i]
-                    a, s = _classify(entry, lambda v: v.dim() == 1 and v.numel() > 1) if isinstance(
-                        entry, Mapping) else (None, None)
-                    if a is None:
-                        return None, f"{os.path.basename(f.path)}: optimizer state {i} holds tensors of unexpected shapes"
-                    why = agree(entry, a, s)
-                    if why:
-                        return None, why
-                    for k in aligned:
-                        v = entry[k]
-                        off = storage_byte_offset(v) if f.format == "zip" and v.is_contiguous() else None
-                        if off is None:
-                            return None, f"{os.path.basename(f.path)}: its optimizer state cannot be range-read (legacy format or strided)"
-                        chunks[i].setdefault(k, []).append((f.path, key_path("last_optimizer_state", "state", str(i), str(k)),
-                                                            v.numel(), off, v.dtype))
-                        dtypes[k] = v.dtype
-            for fp, per_key in zip(fps, chunks):
-                for k, runs in per_key.items():
-                    if sum(r[2] for r in runs) < fp.total_numel:
-                        return None, (f"{fp.key}: optimizer '{k}' holds {sum(r[2] for r in runs)} elements for "
-                                      f"{fp.total_numel} parameter elements")
-                    pos = 0
-                    for name, shape, numel in zip(fp.names, fp.shapes, fp.numels):
-                        extents, c0 = [], 0
-                        for path, kp, n, off, dt in runs:
-                            a0, b0 = max(pos, c0), min(pos + numel, c0 + n)
-                            if a0 < b0:
-                                item = torch.empty((), dtype=dt).element_size()
-                                extents.append(Extent(path, kp, a0 - c0, b0 - a0, off + (a0 - c0) * item))
-                            c0 += n
-                        tensors.setdefault(k, {})[name] = StoredTensor(name, part.index, runs[0][4], tuple(shape),
-                                                                       tuple(extents))
-                        pos += numel
-        else:
-            f = files[0]
-            state = states[part.index][0]["state"]
-            names = [n for n in part.tensors if n not in buffers_all]
-            tied = {dst for _, dst in part.shared}
-            if layout.model_args().get("share_decoder_input_output_embed"):
-                tied |= {n for n in names if n.endswith("output_projection.weight")}
-            order = None
-            for candidate in (names, [n for n in names if n not in tied]):
-                if len(candidate) != len(state) or sorted(state, key=str) != sorted(range(len(state)), key=str):
-                    continue
-                ok = True
-                for i, n in enumerate(candidate):
-                    entry = state[i]
-                    a, _ = _classify(entry, lambda v, n=n: tuple(v.shape) == tuple(part.tensors[n].shape))
-                    if not a:
-                        ok = False
-                        break
-                if ok:
-                    order = candidate
-                    break
-            if order is None:
-                return None, (f"{os.path.basename(f.path)}: optimizer state for {len(state)} parameters does not "
-                              f"line up with the {len(names)} parameters the file holds")
-            for i, n in enumerate(order):
-                entry = state[i]
-                a, s = _classify(entry, lambda v, n=n: tuple(v.shape) == tuple(part.tensors[n].shape))
-                why = agree(entry, a, s)
-                if why:
-                    return None, why
-                for k in aligned:
-                    v = entry[k]
-                    off = storage_byte_offset(v) if f.format == "zip" else None
-                    if off is None or not v.is_contiguous():
-                        return None, f"{os.path.basename(f.path)}: its optimizer state cannot be range-read"
-                    tensors.setdefault(k, {})[n] = StoredTensor(
-                        n, part.index, v.dtype, tuple(v.shape),
-                        (Extent(f.path, key_path("last_optimizer_state", "state", str(i), str(k)), 0, v.numel(), off),))
-                    dtypes[k] = v.dtype
+        shadow = _flat_shadows if part.flat_params else _unflat_shadows
+        tensors, why = shadow(layout, part, states[part.index], agreed)
+        if why:
+            return None, why
         shadows.append(tensors)
-    if not aligned:
+    if not agreed.aligned:
         return None, "the optimizer state holds nothing laid out like the parameters"
-    return (shadows, keys, aligned, scalars, tuple(copy.deepcopy(list(groups))), dtypes), None
+    return (shadows, agreed.keys, agreed.aligned, agreed.scalars, tuple(copy.deepcopy(list(groups))),
+            agreed.dtypes), None
+
+
+def _flat_shadows(layout: CheckpointLayout, part, states: Sequence[Mapping], agreed: _Agreement) -> tuple:
+    """({key: {name: StoredTensor}}, None) of one part's flat shards, or (None, why not)."""
+    files = layout.files[part.index]
+    fps = part.flat_params
+    chunks = [{} for _ in fps]  # per flat parameter, per key: its runs over the shards
+    for d, f in enumerate(files):
+        state = states[d]["state"]
+        if sorted(state, key=str) != sorted(range(len(fps)), key=str):
+            return None, (f"{os.path.basename(f.path)}: optimizer state for {len(state)} parameters "
+                          f"but the file holds {len(fps)} flat parameters")
+        for i, fp in enumerate(fps):
+            entry = state[i]
+            a, s = _classify(entry, lambda v: v.dim() == 1 and v.numel() > 1) if isinstance(
+                entry, Mapping) else (None, None)
+            if a is None:
+                return None, f"{os.path.basename(f.path)}: optimizer state {i} holds tensors of unexpected shapes"
+            why = agreed.check(entry, a, s)
+            if why:
+                return None, why
+            for k in agreed.aligned:
+                v = entry[k]
+                off = storage_byte_offset(v) if f.format == "zip" and v.is_contiguous() else None
+                if off is None:
+                    return None, f"{os.path.basename(f.path)}: its optimizer state cannot be range-read (legacy format or strided)"
+                chunks[i].setdefault(k, []).append((f.path, key_path("last_optimizer_state", "state", str(i), str(k)),
+                                                    v.numel(), off, v.dtype))
+                agreed.dtypes[k] = v.dtype
+    tensors: dict = {}
+    for fp, per_key in zip(fps, chunks):
+        for k, runs in per_key.items():
+            if sum(r[2] for r in runs) < fp.total_numel:
+                return None, (f"{fp.key}: optimizer '{k}' holds {sum(r[2] for r in runs)} elements for "
+                              f"{fp.total_numel} parameter elements")
+            pos = 0
+            for name, shape, numel in zip(fp.names, fp.shapes, fp.numels):
+                extents, c0 = [], 0
+                for path, kp, n, off, dt in runs:
+                    a0, b0 = max(pos, c0), min(pos + numel, c0 + n)
+                    if a0 < b0:
+                        item = torch.empty((), dtype=dt).element_size()
+                        extents.append(Extent(path, kp, a0 - c0, b0 - a0, off + (a0 - c0) * item))
+                    c0 += n
+                tensors.setdefault(k, {})[name] = StoredTensor(name, part.index, runs[0][4], tuple(shape),
+                                                               tuple(extents))
+                pos += numel
+    return tensors, None
+
+
+def _unflat_shadows(layout: CheckpointLayout, part, states: Sequence[Mapping], agreed: _Agreement) -> tuple:
+    """({key: {name: StoredTensor}}, None) of one part's unflattened file, or (None, why not)."""
+    f = layout.files[part.index][0]
+    state = states[0]["state"]
+    buffers = set(layout.parts[0].buffer_names)
+    names = [n for n in part.tensors if n not in buffers]
+    tied = {dst for _, dst in part.shared}
+    if layout.model_args().get("share_decoder_input_output_embed"):
+        tied |= {n for n in names if n.endswith("output_projection.weight")}
+
+    def shaped_like(n: str) -> Callable[[Any], bool]:
+        return lambda v: tuple(v.shape) == tuple(part.tensors[n].shape)
+
+    # model.parameters() order: the stored order less buffers, perhaps less tied aliases.
+    order = None
+    for candidate in (names, [n for n in names if n not in tied]):
+        if len(candidate) != len(state) or sorted(state, key=str) != sorted(range(len(state)), key=str):
+            continue
+        if all(_classify(state[i], shaped_like(n))[0] for i, n in enumerate(candidate)):
+            order = candidate
+            break
+    if order is None:
+        return None, (f"{os.path.basename(f.path)}: optimizer state for {len(state)} parameters does not "
+                      f"line up with the {len(names)} parameters the file holds")
+    tensors: dict = {}
+    for i, n in enumerate(order):
+        entry = state[i]
+        why = agreed.check(entry, *_classify(entry, shaped_like(n)))
+        if why:
+            return None, why
+        for k in agreed.aligned:
+            v = entry[k]
+            off = storage_byte_offset(v) if f.format == "zip" else None
+            if off is None or not v.is_contiguous():
+                return None, f"{os.path.basename(f.path)}: its optimizer state cannot be range-read"
+            tensors.setdefault(k, {})[n] = StoredTensor(
+                n, part.index, v.dtype, tuple(v.shape),
+                (Extent(f.path, key_path("last_optimizer_state", "state", str(i), str(k)), 0, v.numel(), off),))
+            agreed.dtypes[k] = v.dtype
+    return tensors, None
 
 
 def plan_optimizer(layout: CheckpointLayout, model_parallel: int, qkv: str, params_per_part: Sequence[Sequence[str]],
@@ -244,19 +269,24 @@ def plan_optimizer(layout: CheckpointLayout, model_parallel: int, qkv: str, para
 # --------------------------------------------------------------------------- one rank's state
 
 
-def flat_pieces(g: FlatGroup, targets: Mapping[str, TargetTensor], shard: int, shards: int,
-                dtype: torch.dtype) -> tuple:
-    """(pieces, local size) of rank ``shard``'s flat shard of ``g`` for ``shards`` ranks: its
-    members' element ranges from ``targets``, then fairscale's zero padding (a Piece of None)."""
+def state_source(key: Any, name: str) -> str:
+    """The source name (in :meth:`OptimizerPlan.sources`) of parameter ``name``'s ``key``
+    value (``exp_avg``...)."""
+    return f"last_optimizer_state/{key}/{name}"
+
+
+def flat_record(g: FlatGroup, shard: int, shards: int, dtype: torch.dtype,
+                source: Callable[[str], str] = str) -> tuple:
+    """(record, local size) of rank ``shard``'s flat shard of ``g`` for ``shards`` ranks: its
+    members' element ranges (read items of the sources ``source(member)``), then fairscale's
+    zero padding."""
     members, size = g.shard_pieces(shard, shards)
-    pieces = [Piece(targets[n], start, stop - start, dtype) for n, start, stop, _ in members]
-    filled = sum(stop - start for _, start, stop, _ in members)
-    if size > filled:
-        pieces.append(Piece(None, 0, size - filled, dtype))
-    return tuple(pieces), size
+    items = tuple(ReadItem(source(n), start, stop) for n, start, stop, _ in members)
+    filled = sum(i.numel for i in items)
+    return Record(items, dtype, max(0, size - filled)), size
 
 
-def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Callable[[tuple, tuple, torch.dtype], Any],
+def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Callable[[Record, tuple], Any],
                structure: Optional[FlatStructure] = None, shard: int = 0, shards: int = 1,
                params: Optional[Sequence[str]] = None) -> dict:
     """(local) Target part ``part``'s ``last_optimizer_state`` for one rank.
@@ -264,8 +294,8 @@ def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Calla
     With ``structure`` (FSDP flat parameters) there is one entry per flat parameter, this
     rank's shard ``shard`` of ``shards`` as fairscale cuts it (zero padding at the tail);
     without, one entry per parameter of ``params``, in that order. Each value laid out like
-    the parameters is ``make(pieces, shape, dtype)``, ``pieces`` being
-    :class:`~._writing.Piece` runs of the planned tensors; ``step`` and the like are copied
+    the parameters is ``make(record, shape)``, the :class:`~._writing.Record` of its elements
+    (read items of ``plan.sources(part)``); ``step`` and the like are copied
     (a 0-d tensor from ``skeleton``, the source file's optimizer state), ``param_groups``
     re-indexed, other top-level keys of ``skeleton`` (loss scale) copied.
     """
@@ -291,16 +321,15 @@ def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Calla
     if structure is not None:
         for i, g in enumerate(structure.groups):
             def flat_value(k: str, g: FlatGroup = g) -> Any:
-                pieces, size = flat_pieces(g, planned[k], shard, shards, plan.dtypes[k])
-                return make(pieces, (size,), plan.dtypes[k])
+                rec, size = flat_record(g, shard, shards, plan.dtypes[k], lambda n: state_source(k, n))
+                return make(rec, (size,))
             state[i] = entry(flat_value)
     else:
         if params is None:
             raise ValueError("rank_state: an unflattened target needs params (the optimizer's parameter order)")
         for i, n in enumerate(params):
             def value(k: str, n: str = n) -> Any:
-                tt = planned[k][n]
-                return make((Piece(tt, 0, tt.numel, tt.dtype),), tuple(tt.shape), tt.dtype)
+                return make(whole_record(state_source(k, n), planned[k][n]), tuple(planned[k][n].shape))
             state[i] = entry(value)
     groups = copy.deepcopy(list(plan.param_groups))
     groups[0]["params"] = list(range(len(state)))
@@ -318,26 +347,27 @@ def rank_state(plan: OptimizerPlan, part: int, skeleton: Mapping, *, make: Calla
 def materialize(plan: OptimizerPlan, part: int, skeleton: Mapping, *, structure: Optional[FlatStructure] = None,
                 shard: int = 0, shards: int = 1, params: Optional[Sequence[str]] = None,
                 chunk_bytes: int = 64 << 20, trust_pickle: bool = False) -> dict:
-    """(local) :func:`rank_state` with every value read now (``_execute.fill``: only the
-    byte ranges this rank's values cover). Owns its memory (``skeleton`` may be mapped)."""
-    from ._execute import fill
-    from ._reading import RangeReader
+    """(local) :func:`rank_state` with every value read now: each value's record lands in
+    a tensor through the executor (``_execute.fill_all``: only the byte ranges this rank's
+    values cover). Owns its memory (``skeleton`` may be mapped)."""
+    sources = plan.sources(part)
+    wants: list = []
 
+    def make(rec: Record, shape: tuple) -> torch.Tensor:
+        out = torch.empty(shape, dtype=rec.dtype)
+        flat, pos = out.view(-1), 0
+        for item in rec.items:
+            wants.append(Want(item.name, item.start, flat[pos: pos + item.numel]))
+            pos += item.numel
+        flat[pos:].zero_()  # fairscale's padding
+        return out
+
+    state = rank_state(plan, part, skeleton, make=make, structure=structure, shard=shard, shards=shards,
+                       params=params)
     with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
-        def make(pieces: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-            out = torch.empty(shape, dtype=dtype)
-            flat, pos = out.view(-1), 0
-            for p in pieces:
-                seg = flat[pos: pos + p.numel]
-                if p.source is None:
-                    seg.zero_()
-                else:
-                    fill(p.source, seg, p.start, reader)
-                pos += p.numel
-            return out
+        fill_all(sources, wants, reader, None)
+    return state
 
-        return rank_state(plan, part, skeleton, make=make, structure=structure, shard=shard, shards=shards,
-                          params=params)
 
 
 # --------------------------------------------------------------------------- the rest of a checkpoint
@@ -369,11 +399,11 @@ def same_weights_layout(layout: CheckpointLayout, *, parts: int, shards: int, fl
     with FSDP wrapping ``structure``, default the saved one) holds, file for file, the
     weights laid out as saved: then what is laid out like the saved weights (the optimizer
     state, the EMA copy) can be taken as it is."""
-    from ._loading import _own_shard_fits  # the same test the engine's own-shard strategy makes
+    from ._planner import own_shard_fits  # the same test the engine's own-shard strategy makes
 
     if layout.flat != flat:
         return False
-    if not _own_shard_fits(layout, parts, shards if flat else layout.shards_per_part, flat)[0]:
+    if not own_shard_fits(layout, parts, shards if flat else layout.shards_per_part, flat)[0]:
         return False
     if not flat or structure is None:
         return True

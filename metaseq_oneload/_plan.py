@@ -1,31 +1,18 @@
 """What to read: saved pieces -> target pieces.
 
-Every saved tensor and every target tensor is *placed* in one canonical coordinate
-system, the unsplit (model-parallel size 1) model with metaseq's names: a fused
-``qkv_proj`` holds rows k, v, q of all heads. A placement says which rows (or columns) of
-the canonical tensor a stored or wanted tensor covers, so any saved model-parallel size maps
-onto any target size by intersecting ranges (Megatron's rules):
-
-=====================================  ==================  =================================
-tensor                                 split               note
-=====================================  ==================  =================================
-``self_attn.qkv_proj`` weight, bias    dim 0, per part     rows k_m, v_m, q_m of part m's heads
-``self_attn.{k,v,q}_proj`` (split)     dim 0               fused into ``qkv_proj`` on load
-``fc1`` weight, bias                   dim 0               column parallel
-``embed_tokens``, ``output_projection``  dim 0             vocab parallel
-``self_attn.out_proj.weight``, ``fc2.weight``  dim 1       row parallel
-layer norms, positions, row biases     replicated
-=====================================  ==================  =================================
-
-A target tensor becomes a list of copies (:class:`FlatCopy` for contiguous element runs,
-:class:`BlockCopy` for a column block of a row-parallel weight). Intersecting those with
-the element range a rank needs (its FSDP flat shard, its DTensor rows, or everything) gives
-exactly the bytes it reads, from whichever files hold them.
+Every saved and every target tensor is placed in the unsplit model's coordinates by the
+model-parallel rules of :mod:`._placement`. A target tensor becomes a list of copies
+(:class:`FlatCopy` for contiguous element runs, :class:`BlockCopy` for a column block of a
+row-parallel weight). Intersecting those with the element range a rank needs (its FSDP flat
+shard, its DTensor rows, or everything) gives exactly the bytes it reads, from whichever
+files hold them. How the target groups its tensors into FSDP flat parameters is decided in
+one place, :func:`flat_structure`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -33,139 +20,26 @@ import torch
 
 from ._errors import CheckpointLayoutError, StateDictMismatchError
 from ._layout import CheckpointLayout, StoredTensor
+from ._placement import QKV_FUSED, Placement, canonical_table, place, split_qkv_name
 
 __all__ = [
-    "Placement",
     "FlatCopy",
     "BlockCopy",
     "TargetTensor",
     "FlatGroup",
     "FlatStructure",
-    "place",
+    "flat_structure",
+    "metaseq_wrapping",
     "plan_part",
     "flat_shard_range",
-    "canonical_numels",
     "qkv_naming",
 ]
-
-_QKV_FUSED = (".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")
-_QKV_SPLIT = {"k_proj": 0, "v_proj": 1, "q_proj": 2}
-_COLUMN = (".fc1.weight", ".fc1.bias", "embed_tokens.weight", "output_projection.weight")
-_ROW = (".self_attn.out_proj.weight", ".fc2.weight")
-_REPLICATED_HINTS = ("layer_norm.", "layernorm", "embed_positions.", ".out_proj.bias", ".fc2.bias",
-                     ".version", "_float_tensor", "alibi", "embed_scale")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a tensor sits in the canonical (unsplit) tensor ``canonical``.
-
-    ``segments`` are ``(local_start, global_start, length)`` along ``dim``; ``dim`` None
-    means the tensor is the whole canonical tensor (replicated or not model parallel).
-    """
-
-    canonical: str
-    dim: Optional[int]
-    segments: tuple
-    global_shape: tuple
-
-
-def _split_qkv_name(name: str) -> Optional[tuple]:
-    parts = name.rsplit(".", 2)
-    if len(parts) == 3 and parts[1] in _QKV_SPLIT and parts[0].endswith("self_attn"):
-        return parts[0] + ".qkv_proj." + parts[2], _QKV_SPLIT[parts[1]]
-    return None
-
-
-def _rule_of(name: str, rules: Optional[Mapping[str, str]], fuse_split_qkv: bool) -> Optional[str]:
-    rule = None
-    for suffix, r in (rules or {}).items():
-        if name.endswith(suffix):
-            rule = r
-    if rule is None:
-        if name.endswith(_QKV_FUSED):
-            rule = "qkv"
-        elif fuse_split_qkv and _split_qkv_name(name):
-            rule = "qkv_split"
-        elif name.endswith(_COLUMN):
-            rule = "column"
-        elif name.endswith(_ROW):
-            rule = "row"
-        elif any(h in name for h in _REPLICATED_HINTS):
-            rule = "replicated"
-    return rule
-
-
-def split_length(name: str, shape: Sequence[int], rules: Optional[Mapping[str, str]] = None,
-                 fuse_split_qkv: bool = True) -> Optional[int]:
-    """How much of its split dimension one part's tensor holds (rows per projection for a
-    fused qkv), or None when it is not split."""
-    rule = _rule_of(name, rules, fuse_split_qkv)
-    if rule == "qkv":
-        return int(shape[0]) // 3
-    if rule in ("qkv_split", "column"):
-        return int(shape[0])
-    if rule == "row" and len(shape) == 2:
-        return int(shape[1])
-    return None
-
-
-def place(name: str, shape: Sequence[int], part: int, nparts: int,
-          rules: Optional[Mapping[str, str]] = None, fuse_split_qkv: bool = True,
-          lengths: Optional[Sequence[int]] = None) -> Optional[Placement]:
-    """The placement of part ``part`` of ``nparts`` of tensor ``name``, or None for a
-    tensor without a known model-parallel rule (it can only be loaded at the same size).
-
-    ``fuse_split_qkv=False`` leaves split ``k_proj``/``v_proj``/``q_proj`` as they are:
-    their rows need not match (grouped-query attention), which fusing assumes.
-    ``lengths``: every part's :func:`split_length`, where the parts are not all alike
-    (``torch.chunk`` of a size the part count does not divide, as metaseq's
-    ``reshard_mp.py`` writes it); by default every part holds as much as this one."""
-    shape = tuple(int(s) for s in shape)
-    own = split_length(name, shape, rules, fuse_split_qkv)
-    if lengths is not None and own is not None and list(lengths) != [own] * nparts:
-        if lengths[part] != own:
-            raise CheckpointLayoutError(f"{name}: part {part} holds {own} along its split dimension, not {lengths[part]}.")
-        start, total = sum(lengths[:part]), sum(lengths)
-    else:
-        start, total = (None, None)
-    rule = _rule_of(name, rules, fuse_split_qkv)
-    if rule is None:
-        if nparts == 1:
-            return Placement(name, None, (), shape)
-        return None
-    if rule == "replicated":
-        return Placement(name, None, (), shape)
-    if rule == "qkv":
-        n = shape[0]
-        if n % 3:
-            raise CheckpointLayoutError(f"{name}: fused qkv_proj has {n} rows, not a multiple of 3 (k, v, q).")
-        per = n // 3
-        e, at = (per * nparts, part * per) if total is None else (total, start)
-        segs = tuple((j * per, j * e + at, per) for j in range(3))
-        return Placement(name, 0, segs, (3 * e,) + shape[1:])
-    if rule == "qkv_split":
-        canonical, j = _split_qkv_name(name)
-        n = shape[0]
-        e, at = (n * nparts, part * n) if total is None else (total, start)
-        return Placement(canonical, 0, ((0, j * e + at, n),), (3 * e,) + shape[1:])
-    if rule == "column":
-        n = shape[0]
-        e, at = (n * nparts, part * n) if total is None else (total, start)
-        return Placement(name, 0, ((0, at, n),), (e,) + shape[1:])
-    if rule == "row":
-        if len(shape) != 2:
-            raise CheckpointLayoutError(f"{name}: a row-parallel rule needs a 2-D weight, found shape {shape}.")
-        m = shape[1]
-        e, at = (m * nparts, part * m) if total is None else (total, start)
-        return Placement(name, 1, ((0, at, m),), (shape[0], e))
-    raise ValueError(f"unknown model-parallel rule {rule!r} for {name} (use qkv, column, row or replicated)")
 
 
 def _target_placement(canonical: str, global_shape: tuple, part: int, nparts: int, name: str,
                       rules: Optional[Mapping[str, str]] = None) -> Placement:
     """The placement of target part ``part`` of ``nparts`` of a canonical tensor."""
-    split = _split_qkv_name(name)
+    split = split_qkv_name(name)
     if split is not None and canonical != name:  # a projection cut out of a fused qkv_proj
         e = global_shape[0] // 3
         if e % nparts:
@@ -311,55 +185,6 @@ def _qkv_style(layout: CheckpointLayout, qkv: str) -> str:
     return qkv
 
 
-def _canonical_table(layout: CheckpointLayout, rules: Optional[Mapping[str, str]], fuse_split_qkv: bool) -> tuple:
-    """canonical name -> (global shape, [(stored tensor, placement)], stored names) and
-    the names without a rule, per part."""
-    table: dict = {}
-    unknown: dict = {}
-    m = layout.model_parallel_size
-    lengths: dict = {}
-    if m > 1:
-        for part in layout.parts:
-            for t in part.tensors.values():
-                lengths.setdefault(t.name, []).append(split_length(t.name, t.shape, rules, fuse_split_qkv))
-    for part in layout.parts:
-        for t in part.tensors.values():
-            ls = lengths.get(t.name)
-            p = place(t.name, t.shape, part.index, m, rules, fuse_split_qkv,
-                      lengths=ls if ls and len(ls) == m and None not in ls else None)
-            if p is None:
-                unknown.setdefault(t.name, []).append(t)
-                continue
-            entry = table.setdefault(p.canonical, {"shape": p.global_shape, "sources": [], "names": []})
-            if entry["shape"] != p.global_shape:
-                raise CheckpointLayoutError(
-                    f"{t.name}: part {part.index} implies global shape {p.global_shape} but other parts "
-                    f"imply {entry['shape']}: the model parts disagree."
-                )
-            entry["sources"].append((t, p))  # replicated: every part's copy, to read the nearest
-            if t.name not in entry["names"]:
-                entry["names"].append(t.name)
-    return table, unknown
-
-
-def canonical_numels(layout: CheckpointLayout) -> int:
-    """Parameter elements of the full model (see :attr:`CheckpointLayout.num_params`)."""
-    table, unknown = _canonical_table(layout, None, fuse_split_qkv=layout.model_parallel_size > 1)
-    buffers = set(layout.parts[0].buffer_names)
-    aliases = {dst for p in layout.parts for _, dst in p.shared}
-    if layout.model_args().get("share_decoder_input_output_embed"):
-        aliases |= {n for n in table if n.endswith("output_projection.weight")}
-    total = 0
-    for name, entry in table.items():
-        if any(n in buffers or n in aliases or n.endswith((".version", "._float_tensor")) for n in entry["names"]):
-            continue
-        total += math.prod(entry["shape"])
-    for name, ts in unknown.items():
-        if name not in buffers:
-            total += sum(t.numel for t in ts)
-    return total
-
-
 def _cast(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
     """A requested dtype applies to floating-point tensors; integer buffers keep theirs."""
     return wanted if wanted is not None and stored.is_floating_point else stored
@@ -381,7 +206,7 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
     saved = layout.model_parallel_size
     # Split k/v/q stay as stored unless asked to fuse, or the model-parallel size changes.
     fuse_split = style == "fused" or saved != target_parts
-    table, unknown = _canonical_table(layout, rules, fuse_split)
+    table, unknown = canonical_table(layout.parts, rules, fuse_split)
     if unknown and saved != target_parts:
         names = sorted(unknown)[:5]
         raise CheckpointLayoutError(
@@ -406,9 +231,9 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
         done.add(canonical)
         entry = table[canonical]
         gshape = entry["shape"]
-        is_qkv = canonical.endswith(_QKV_FUSED)
+        is_qkv = canonical.endswith(QKV_FUSED)
         if is_qkv:
-            stored_split = any(_split_qkv_name(n) for n in entry["names"])
+            stored_split = any(split_qkv_name(n) for n in entry["names"])
             fused = style == "fused" or (style == "keep" and not stored_split)
             prefix = canonical[: -len(".qkv_proj.weight") if canonical.endswith("weight") else -len(".qkv_proj.bias")]
             leaf = canonical.rsplit(".", 1)[1]
@@ -449,6 +274,9 @@ def plan_part(layout: CheckpointLayout, target_parts: int, target_part: int, *, 
 
 
 # --------------------------------------------------------------------------- flat shards
+
+# A metaseq transformer layer, each its own FSDP instance in metaseq's wrapping.
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -574,6 +402,55 @@ class FlatStructure:
                 "padding": size - (hi - lo),
             }
         return {"param_metadata": list(by_path.values()), "buffer_names": list(self.buffer_names)}
+
+
+def metaseq_wrapping(targets: Mapping[str, TargetTensor], buffers: set) -> FlatStructure:
+    """(local) metaseq's FSDP wrapping for an unflattened source: every ``*.layers.{i}``
+    module is its own FSDP instance, the rest (embeddings, final layer norm) is the root's
+    flat param; a tied weight is recorded in the ``shared_param_info`` of the instance
+    holding its source."""
+    root: list = []
+    nested: dict = {}  # (insertion order: the model's)
+    shared: dict = {}
+    for n, t in targets.items():
+        if t.alias_of is not None:
+            m = _LAYER.match(t.alias_of)
+            shared.setdefault(m.group(1) if m else "", []).append((t.alias_of, n))
+            continue
+        if n in buffers:
+            continue
+        m = _LAYER.match(n)
+        (nested.setdefault(m.group(1), []) if m else root).append(n)
+    groups = []
+    if root:
+        groups.append(FlatGroup("", "flat_param_0", tuple(root), tuple(targets[n].shape for n in root),
+                                tuple(shared.get("", ()))))
+    for path, names in nested.items():
+        groups.append(FlatGroup(path, "flat_param_0", tuple(names), tuple(targets[n].shape for n in names),
+                                tuple(shared.get(path, ()))))
+    return FlatStructure(tuple(groups), tuple(n for n in targets if n in buffers))
+
+
+def flat_structure(layout: CheckpointLayout, targets: Mapping[str, TargetTensor], metadata: Optional[Mapping] = None,
+                   *, assume_metaseq: bool = False) -> FlatStructure:
+    """(local) How the target FSDP model groups ``targets`` (one part's :func:`plan_part`)
+    into flat parameters, checked against them: from fairscale's ``metadata``
+    (``FullyShardedDataParallel.local_metadata_dict()``) where given, else from the
+    checkpoint's own flat parameters; for unflattened weights, with ``assume_metaseq``, the
+    wrapping metaseq gives its models (:func:`metaseq_wrapping`).
+
+    Raises:
+        StateDictMismatchError: the metadata does not describe ``targets``, or the
+            checkpoint is unflattened and nothing says how the target wraps it.
+    """
+    if metadata is not None:
+        structure = FlatStructure.from_metadata(metadata)
+    elif assume_metaseq and not layout.flat:
+        structure = metaseq_wrapping(targets, set(layout.parts[0].buffer_names))
+    else:
+        structure = FlatStructure.from_layout(layout, targets)
+    structure.check_against(targets)
+    return structure
 
 
 def flat_shard_range(total: int, rank: int, world: int) -> tuple:

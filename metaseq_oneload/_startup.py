@@ -23,14 +23,13 @@ Without the token nothing is imported and nothing changes. The ``--user-dir`` ro
 :func:`activate` from the user directory's ``__init__.py`` instead (see docs/metaseq/train.md).
 """
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 import threading
-from typing import Any, Callable, Iterable, List, MutableMapping, Optional, Sequence
+from typing import Any, Callable, List, MutableMapping, Optional, Sequence
 
 from ._hydra import ENV, OneloadConfig, activation_overrides, environment_value, explicit_settings, split_argv
+from ._import_hook import AfterImport
 
 __all__ = ["activate", "from_pth", "strip_argv"]
 
@@ -65,8 +64,8 @@ def activate(argv: Optional[List[str]] = None, environ: Optional[MutableMapping[
 
     Example (a ``--user-dir`` package's ``__init__.py``)::
 
-        import metaseq_oneload
-        metaseq_oneload.activate()
+        import metaseq_oneload.hydra
+        metaseq_oneload.hydra.activate()
     """
     argv = sys.argv if argv is None else argv
     environ = os.environ if environ is None else environ
@@ -180,63 +179,4 @@ def _install_when_imported(settings: Callable[[], Any], hydra_schema: bool, tole
     if any(name in sys.modules for name in _WATCHED):
         install()
         return
-    _AfterImport.watch(_WATCHED, install)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback once the first of some top-level packages has finished importing
-    (its ``__init__`` executed), then leaves ``sys.meta_path``."""
-
-    def __init__(self, names: Iterable[str], callback: Callable[[], None]):
-        self.names = frozenset(names)
-        self.callback = callback
-        self._searching = threading.local()
-        self._fired = False
-
-    @classmethod
-    def watch(cls, names: Iterable[str], callback: Callable[[], None]) -> "_AfterImport":
-        finder = cls(names, callback)
-        sys.meta_path.insert(0, finder)
-        return finder
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname not in self.names or getattr(self._searching, "on", False):
-            return None
-        self._searching.on = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._searching.on = False
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _ThenCall(spec.loader, self)
-        return spec
-
-    def fire(self) -> None:
-        if self._fired:
-            return
-        self._fired = True
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        self.callback()
-
-
-class _ThenCall(importlib.abc.Loader):
-    """A loader that runs the real one, puts it back on the module, then fires."""
-
-    def __init__(self, loader: Any, finder: _AfterImport):
-        self._loader = loader
-        self._finder = finder
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._finder.fire()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+    AfterImport.watch(_WATCHED, install)

@@ -2,40 +2,23 @@
 
 Local paths keep the engine's own code path (``os.stat``, ``os.preadv`` into the
 destination); every function here answers a local path with the ``os`` call it replaces.
-A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec protocol) goes to fsspec:
+A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec protocol) goes to the
+store through :mod:`._remote` (one request: its concurrency bound, retries and checked
+answer; the ``METASEQ_ONELOAD_REMOTE_*`` settings), and this module keeps what a load
+knows of each object:
 
 * ranged reads only: a header read takes the archive's tail, its central directory, one
   local header per record and the ``data.pkl`` record, never a tensor's bytes; a data read
   takes exactly the bytes a rank needs, in parts of at most ``part_bytes``, written into
-  the destination's memory as each part arrives;
-* at most ``concurrency`` requests in flight per process (a semaphore over every thread
-  that reads, headers and data alike), so in-flight memory is at most
-  ``concurrency * part_bytes`` beyond the destination;
-* each request retried with exponential backoff and jitter on transient errors (5xx,
-  throttling, connection resets, timeouts), never on a missing object or a refused
-  credential, which are answered at once;
-* every answer checked, never taken as given: an S3 ranged GET must come back 206 with the
-  ``Content-Range`` asked for and exactly that many bytes, else :class:`RemoteStoreError`
-  (a server, proxy or cache that ignores ``Range``, answers another range, sends a short or
-  long body, or redirects) at once, without retries; other protocols' answers are checked
-  for their exact length (fsspec shows nothing else of them);
+  the destination's memory as each part arrives (:func:`read_into`);
+* header bytes already fetched are shared between our zip parser and torch's reader of the
+  same archive (:class:`RemoteFile`), and small reads that follow each other share requests;
 * each object pinned from the first time it is seen (its size and ETag, and its VersionId
   where the bucket keeps versions) until the next discovery of its folder
   (:func:`refresh`): every read of it asks the store for that version (``If-Match``), and
   a store that holds another one now, or a stat that finds one, is a
   :class:`RemoteObjectChangedError` naming the object, never bytes of two versions in one
-  load.
-
-Settings come from the environment, so that every entry point (the API, the CLI, the
-metaseq patch, torchrun workers) sees the same ones:
-
-* ``METASEQ_ONELOAD_STORAGE_OPTIONS``: JSON, fsspec options for every protocol
-  (``{"anon": true}``) or per protocol (``{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}``);
-* ``METASEQ_ONELOAD_REMOTE_CONCURRENCY``: requests in flight per process (default 16);
-* ``METASEQ_ONELOAD_REMOTE_RETRIES``: retries per request after the first try (default 5);
-* ``METASEQ_ONELOAD_REMOTE_BACKOFF``: first backoff in seconds, doubled per retry, capped at
-  10 s, with jitter (default 0.2);
-* ``METASEQ_ONELOAD_REMOTE_PART_MB``: largest single ranged request, MiB (default 8).
+  load; what this process kept of the object is forgotten then.
 
 fsspec and the protocol's implementation (s3fs, gcsfs, adlfs, aiohttp) are imported only when
 a URL is given: the package imports and runs on local files without them.
@@ -45,110 +28,26 @@ from __future__ import annotations
 
 import bisect
 import collections
-import concurrent.futures
-import functools
 import glob as _glob
 import io
-import json
 import os
-import random
 import re
 import threading
 import time
-import weakref
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._errors import MissingRemoteExtraError, OneloadError, RemoteObjectChangedError, RemoteStoreError
+from ._errors import RemoteObjectChangedError
+from ._remote import (RemoteSettings, Stat, changed, etag_protocol, fetch_range, filesystem, invalidate_listings,
+                      pool, request, reset_stats, settings, stat_of, stats, url_of)
 
 __all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget"]
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-# Errors no retry can cure: a missing object, a refused credential, a bad argument.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
-              TypeError, NotImplementedError, OneloadError)
 
 
 def is_url(path: Any) -> bool:
     """Whether ``path`` names an object through a protocol (``s3://...``) rather than a local file."""
     return isinstance(path, str) and _URL_RE.match(path) is not None
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """How remote reads are issued (see the module docstring for the environment variables)."""
-
-    concurrency: int = 16  # requests in flight per process
-    retries: int = 5  # retries per request after the first try
-    backoff_s: float = 0.2  # first backoff; doubled per retry, capped at 10 s, with jitter
-    part_bytes: int = 8 << 20  # largest single ranged request
-    storage_options: str = "{}"  # JSON, as in METASEQ_ONELOAD_STORAGE_OPTIONS
-
-    def __post_init__(self):
-        if self.concurrency < 1 or self.retries < 0 or self.backoff_s < 0 or self.part_bytes < (64 << 10):
-            raise ValueError(f"invalid remote storage settings {self}: concurrency >= 1, retries >= 0, "
-                             "backoff >= 0, part >= 64 KiB")
-
-    def options_for(self, protocol: str) -> dict:
-        opts = json.loads(self.storage_options or "{}")
-        if not isinstance(opts, dict):
-            raise ValueError(f"METASEQ_ONELOAD_STORAGE_OPTIONS must be a JSON object, got {self.storage_options!r}")
-        # Per protocol where keys name protocols and hold objects, else the same for all.
-        if opts and all(isinstance(v, dict) for v in opts.values()):
-            return dict(opts.get(protocol, {}))
-        return opts
-
-
-def settings() -> RemoteSettings:
-    """(local) The settings as the environment says now."""
-    env = os.environ
-    return RemoteSettings(
-        concurrency=int(env.get("METASEQ_ONELOAD_REMOTE_CONCURRENCY", 16)),
-        retries=int(env.get("METASEQ_ONELOAD_REMOTE_RETRIES", 5)),
-        backoff_s=float(env.get("METASEQ_ONELOAD_REMOTE_BACKOFF", 0.2)),
-        part_bytes=int(float(env.get("METASEQ_ONELOAD_REMOTE_PART_MB", 8)) * (1 << 20)),
-        storage_options=env.get("METASEQ_ONELOAD_STORAGE_OPTIONS", "{}"),
-    )
-
-
-class _Stats:
-    """What this process fetched from object stores (tests and reports read it)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.requests = 0
-            self.bytes = 0
-            self.retries = 0
-            self.in_flight = 0
-            self.max_in_flight = 0
-
-    def add(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                setattr(self, k, getattr(self, k) + v)
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            return {"requests": self.requests, "bytes": self.bytes, "retries": self.retries,
-                    "max_in_flight": self.max_in_flight}
-
-
-_STATS = _Stats()
-
-
-def stats() -> dict:
-    """(local) Requests, bytes and retries this process made to object stores since the last reset."""
-    return _STATS.as_dict()
-
-
-def reset_stats() -> None:
-    """Zero the counters."""
-    _STATS.reset()
 
 
 def forget() -> None:
@@ -158,11 +57,7 @@ def forget() -> None:
     with _STAT_LOCK:
         _STAT_CACHE.clear()
         _PINS.clear()
-    for fs in list(_FILESYSTEMS):  # and fsspec's listings (s3fs answers stats from them)
-        try:
-            fs.invalidate_cache()
-        except Exception:  # noqa: BLE001 - a filesystem that keeps none
-            pass
+    invalidate_listings()  # and fsspec's (s3fs answers stats from them)
 
 
 def refresh(path: str) -> None:
@@ -178,7 +73,7 @@ def refresh(path: str) -> None:
             for url in [u for u in table if u == path or u.startswith(folder)]:
                 del table[url]
     try:  # fsspec's own listings too (s3fs answers a stat from them, however old)
-        fs, p = _fs(path)
+        fs, p = filesystem(path)
         fs.invalidate_cache(p)
         fs.invalidate_cache(p.rsplit("/", 1)[0])
     except (ImportError, ValueError):  # no such protocol here: the discovery will say so
@@ -192,99 +87,8 @@ def pin(url: str, size: int, version: str) -> None:
     too, not bytes of the new version under the old layout."""
     if is_url(url):
         with _STAT_LOCK:
-            _PINS[url] = Stat(int(size), str(version), False, etag=str(version) if _etag_protocol(url) else "")
+            _PINS[url] = Stat(int(size), str(version), False, etag=str(version) if etag_protocol(url) else "")
             _PINS.move_to_end(url)
-
-
-# --------------------------------------------------------------------------- fsspec
-
-
-def _missing_fsspec(url: str, e: ImportError) -> ImportError:
-    return MissingRemoteExtraError(
-        f"{url}: reading checkpoints from URLs needs fsspec and the protocol's package, and this Python has not "
-        f"got them ({e}). Install them with `pip install metaseq-oneload[remote]` (from a clone: "
-        "`pip install '.[remote]'`; s3fs for s3://, gcsfs for gs://, adlfs for az://, aiohttp for http(s)://), "
-        "or copy the checkpoint to a local folder and pass that.")
-
-
-_FILESYSTEMS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-@functools.lru_cache(maxsize=64)
-def _filesystem(protocol: str, options: str, url_example: str, pid: int):
-    # ``pid``: a forked child (a DataLoader worker) must not use its parent's event loop
-    try:
-        import fsspec
-    except ImportError as e:
-        raise _missing_fsspec(url_example, e) from None
-    try:
-        fs = fsspec.filesystem(protocol, **json.loads(options))
-        _FILESYSTEMS.add(fs)
-        return fs
-    except ImportError as e:
-        raise _missing_fsspec(url_example, e) from None
-    except ValueError as e:  # fsspec: "Protocol not known"
-        raise ValueError(f"{url_example}: fsspec does not know the protocol {protocol}:// ({e}).") from None
-
-
-def _fs(url: str) -> tuple:
-    """(filesystem, path inside it) for a URL."""
-    protocol = url.split("://", 1)[0].lower()
-    s = settings()
-    fs = _filesystem(protocol, json.dumps(s.options_for(protocol), sort_keys=True), url, os.getpid())
-    return fs, fs._strip_protocol(url)
-
-
-def _url_of(fs, path: str, like: str) -> str:
-    """The URL of ``path`` found through ``fs``, spelled with the protocol ``like`` uses."""
-    protocol = like.split("://", 1)[0]
-    return f"{protocol}://{path.lstrip('/')}" if protocol not in ("http", "https") else path
-
-
-@functools.lru_cache(maxsize=None)
-def _limiter(n: int, pid: int) -> threading.BoundedSemaphore:
-    return threading.BoundedSemaphore(n)
-
-
-def _request(url: str, what: str, fn, *args, **kwargs):
-    """One request, within the concurrency bound, retried with backoff on transient errors."""
-    s = settings()
-    sem = _limiter(s.concurrency, os.getpid())
-    for attempt in range(s.retries + 1):
-        with sem:
-            _STATS.add(requests=1, in_flight=1)
-            try:
-                return fn(*args, **kwargs)
-            except _PERMANENT:
-                raise
-            except Exception as e:  # noqa: BLE001 - 5xx, throttling, resets, timeouts
-                if attempt == s.retries:
-                    raise OSError(f"{url}: {what} failed after {s.retries + 1} tries "
-                                  f"({type(e).__name__}: {e})") from e
-            finally:
-                _STATS.add(in_flight=-1)
-        _STATS.add(retries=1)
-        time.sleep(min(10.0, s.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2))
-
-
-@dataclass(frozen=True)
-class Stat:
-    size: int
-    version: str  # ETag, generation or modification time: changes when the object does
-    isdir: bool
-    etag: str = ""  # what a read sends as If-Match (S3)
-    version_id: str = ""  # S3 VersionId, where the bucket keeps versions
-
-
-def _stat_of(info: dict) -> Stat:
-    version = next((str(info[k]) for k in ("ETag", "etag", "generation", "mtime", "LastModified",
-                                           "last_modified", "created") if info.get(k) is not None), "")
-    return Stat(int(info.get("size") or 0), version, info.get("type") == "directory",
-                etag=str(info.get("ETag") or ""), version_id=str(info.get("VersionId") or ""))
-
-
-def _etag_protocol(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("s3", "s3a")
 
 
 # One load asks the size and kind of each object many times (discovery, the zip parser, the
@@ -300,21 +104,16 @@ _PINS: "collections.OrderedDict[str, Stat]" = collections.OrderedDict()
 _MAX_PINS = 1 << 16
 
 
-def _changed(url: str, old: Stat, now: str) -> RemoteObjectChangedError:
-    """The error for an object found replaced; forgets what this process kept of it, so that
-    the next load (after the user's retry) reads the new version from its start."""
+def _forget_object(url: str, old: Stat) -> None:
+    """Forget what this process kept of an object found replaced (its stat, its pin while it
+    is still ``old``, its header bytes and windows), so that the next load (after the user's
+    retry) reads the new version from its start."""
     with _STAT_LOCK:
         _STAT_CACHE.pop(url, None)
         if _PINS.get(url) == old:
             del _PINS[url]
     _CACHE.drop(url)
     _READ_AHEAD.drop(url)
-    return RemoteObjectChangedError(
-        f"{url}: the object changed while it was being read: this load read its header from the "
-        f"version of {old.size} bytes{f' with ETag {old.etag}' if old.etag else f' ({old.version})' if old.version else ''}"
-        f", and {now}. Nothing of the other version was used. Load again once nothing writes the object any "
-        "more (the next load reads the version the store then holds, from its start); if it is being "
-        "written by a running job, load a checkpoint the job has finished writing.")
 
 
 def _stat_url(url: str) -> Stat:
@@ -324,8 +123,8 @@ def _stat_url(url: str) -> Stat:
     if hit is not None and now - hit[0] < _STAT_TTL_S:
         st = hit[1]
     else:
-        fs, path = _fs(url)
-        st = _stat_of(_request(url, "stat", fs.info, path))
+        fs, path = filesystem(url)
+        st = stat_of(request(url, "stat", fs.info, path))
         with _STAT_LOCK:
             _STAT_CACHE[url] = (now, st)
     if st.isdir:
@@ -340,8 +139,9 @@ def _stat_url(url: str) -> Stat:
     # (a listing and a stat may spell a modification time differently: only sizes and
     # ETags are compared, which every answer spells alike)
     if pinned.size != st.size or (pinned.etag and st.etag and pinned.etag != st.etag):
-        raise _changed(url, pinned, f"the store now holds one of {st.size} bytes"
-                       f"{f' with ETag {st.etag}' if st.etag else f' ({st.version})' if st.version else ''}")
+        _forget_object(url, pinned)
+        raise changed(url, pinned, f"the store now holds one of {st.size} bytes"
+                      f"{f' with ETag {st.etag}' if st.etag else f' ({st.version})' if st.version else ''}")
     return pinned
 
 
@@ -422,10 +222,10 @@ def listdir(path: str) -> list:
     """Entry names of a folder (a URL: the objects and common prefixes under ``path/``)."""
     if not is_url(path):
         return os.listdir(path)
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     # Fresh: a listing cached by an earlier load would hide files written since.
     fs.invalidate_cache(p)
-    entries = _request(path, "list", fs.ls, p, detail=True)
+    entries = request(path, "list", fs.ls, p, detail=True)
     out = []
     now = time.monotonic()
     base = path.rstrip("/")
@@ -434,15 +234,15 @@ def listdir(path: str) -> list:
         if name and e["name"].rstrip("/") != p.rstrip("/"):
             out.append(name)
             with _STAT_LOCK:
-                _STAT_CACHE[f"{base}/{name}"] = (now, _stat_of(e))
+                _STAT_CACHE[f"{base}/{name}"] = (now, stat_of(e))
     return out
 
 
 def glob(pattern: str) -> list:
     if not is_url(pattern):
         return _glob.glob(pattern)
-    fs, p = _fs(pattern)
-    return [_url_of(fs, m, pattern) for m in _request(pattern, "glob", fs.glob, p)]
+    fs, p = filesystem(pattern)
+    return [url_of(fs, m, pattern) for m in request(pattern, "glob", fs.glob, p)]
 
 
 def realpath(path: str, *, strict: bool = False) -> str:
@@ -474,7 +274,7 @@ def read_small(path: str, limit: int) -> Optional[bytes]:
 def read_range(url: str, offset: int, n: int, st: Optional[Stat] = None) -> bytes:
     """(local) Bytes ``offset .. offset+n`` of the pinned version of an object (``st``, the
     version a header was read from, where given), fewer only where it ends first; in one
-    request, whose answer is checked (see the module docstring).
+    request, whose answer is checked (:func:`._remote.fetch_range`).
 
     Raises:
         RemoteStoreError: the store answered with other bytes than asked for (wrong status,
@@ -485,164 +285,11 @@ def read_range(url: str, offset: int, n: int, st: Optional[Stat] = None) -> byte
     n = max(0, min(n, st.size - offset))
     if n <= 0:
         return b""
-    fs, path = _fs(url)
-    what = f"reading bytes {offset}..{offset + n}"
-    if _etag_protocol(url) and hasattr(fs, "_call_s3"):
-        from fsspec.asyn import sync
-
-        data = _request(url, what, sync, fs.loop, _s3_ranged, fs, url, path, offset, n, st)
-    else:
-        # fsspec's other protocols show the bytes only, not the answer's status or range:
-        # their length is what can be checked
-        data = _request(url, what, fs.cat_file, path, start=offset, end=offset + n)
-        if len(data) != n:
-            raise _wrong(url, offset, n, f"sent {len(data)} bytes; asked for {n}")
-    _STATS.add(bytes=len(data))
-    return data
-
-
-def _wrong(url: str, offset: int, n: int, what: str) -> RemoteStoreError:
-    return RemoteStoreError(
-        f"{url}: the store answered a read of bytes {offset}-{offset + n - 1} wrongly: it {what}. Nothing "
-        "it sent was used. A server, proxy or cache between here and the store does not honour ranged "
-        "reads: point endpoint_url (METASEQ_ONELOAD_STORAGE_OPTIONS) at one that does, or copy the files "
-        "to a local folder and load them from there.")
-
-
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-def _client_error(e: BaseException):
-    """The botocore ClientError behind what s3fs raised (it translates them into OSErrors)."""
-    for x in (e, e.__cause__, e.__context__):
-        if getattr(x, "response", None) is not None and isinstance(x.response, dict):
-            return x
-    return None
-
-
-async def _s3_ranged(fs, url: str, path: str, offset: int, n: int, st: Stat) -> bytes:
-    """One GetObject of bytes ``offset .. offset+n`` of version ``st``: nothing of the body
-    is used (nor, past the checks of the headers, read) unless the answer is the range asked
-    for, of that version, of exactly ``n`` bytes."""
-    bucket, key, vers = fs.split_path(path)
-    kw = {"Range": f"bytes={offset}-{offset + n - 1}"}
-    if st.etag:
-        kw["IfMatch"] = st.etag
-    if st.version_id or vers:
-        kw["VersionId"] = st.version_id or vers
-    await fs.set_session()
-    await _hook(fs, bucket)
     try:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
-    except Exception as e:  # noqa: BLE001 - what the store's refusal says decides
-        ce = _client_error(e)
-        if ce is None:
-            raise
-        meta = ce.response.get("ResponseMetadata") or {}
-        hop = _redirected(url, offset, n, meta)
-        if hop is not None:
-            raise hop from None
-        code = str((ce.response.get("Error") or {}).get("Code") or "")
-        status = int(meta.get("HTTPStatusCode") or 0)
-        if code == "PreconditionFailed" or status == 412:
-            raise _changed(url, st, "the store holds another version now (it refused a read of that ETag: "
-                           "412 Precondition Failed)") from None
-        if 300 <= status < 400 or code in ("301", "302", "303", "307", "308", "PermanentRedirect",
-                                           "TemporaryRedirect"):
-            where = (meta.get("HTTPHeaders") or {}).get("location") or "elsewhere"
-            raise _wrong(url, offset, n, f"redirected it (HTTP {status or code} to {where}); a ranged read "
-                         "must be answered where it was sent, what a redirect points to is not used") from None
+        return fetch_range(url, offset, n, st)
+    except RemoteObjectChangedError:
+        _forget_object(url, st)
         raise
-    body = resp["Body"]
-    try:
-        meta = resp.get("ResponseMetadata") or {}
-        hop = _redirected(url, offset, n, meta)
-        if hop is not None:
-            raise hop
-        status = int(meta.get("HTTPStatusCode") or 0)
-        length = resp.get("ContentLength")
-        if status == 200 and _whole_pinned(resp, offset, n, st):
-            # a range that covers the whole object: some S3-compatible servers and CDNs
-            # answer 200 with the whole object; it is the bytes asked for, of the pinned version
-            pass
-        elif status != 206:
-            raise _wrong(url, offset, n, f"answered HTTP {status}, not 206 (Partial Content): "
-                         f"{'it ignored the Range header and sent the whole object' if status == 200 else 'no range'}")
-        else:
-            got_range = str(resp.get("ContentRange") or "")
-            m = _CONTENT_RANGE.match(got_range)
-            if m is None or (int(m.group(1)), int(m.group(2))) != (offset, offset + n - 1):
-                raise _wrong(url, offset, n, f"sent Content-Range {got_range or '(none)'}; asked for bytes "
-                             f"{offset}-{offset + n - 1}")
-            if m.group(3) != "*" and int(m.group(3)) != st.size:
-                raise _changed(url, st, f"the store answers for an object of {m.group(3)} bytes")
-        if length is not None and int(length) != n:
-            raise _wrong(url, offset, n, f"announced {length} bytes for that range; asked for {n}")
-        data = bytearray()
-        while len(data) <= n:  # one more than asked: a body longer than it said is refused too
-            chunk = await body.read(n + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-        if len(data) != n:
-            raise _wrong(url, offset, n, f"sent {len(data)}{'+' if len(data) > n else ''} bytes; asked for {n}")
-        return bytes(data)
-    finally:
-        body.close()
-
-
-def _whole_pinned(resp: dict, offset: int, n: int, st: Stat) -> bool:
-    """Whether a 200 answers a ranged read as a 206 would: the range asked for is the whole
-    object (from byte 0, its pinned size), the answer announces exactly that many bytes, and
-    it is the pinned version (its ETag, or its version id where the pin is one)."""
-    if offset != 0 or n != st.size or resp.get("ContentLength") is None or int(resp["ContentLength"]) != n:
-        return False
-    if st.etag:
-        return str(resp.get("ETag") or "") == st.etag
-    return bool(st.version_id) and str(resp.get("VersionId") or "") == st.version_id
-
-
-def _note_redirect(http_response=None, parsed=None, **_):
-    """(botocore's after-call hook) aiohttp follows redirects on its own, and botocore then
-    parses the last answer as if it were the first: say in the parsed answer that there was
-    one, so that the read refuses it (a ranged read answered elsewhere is not the store's)."""
-    history = getattr(getattr(http_response, "raw", None), "history", None)
-    if history and isinstance(parsed, dict):
-        parsed.setdefault("ResponseMetadata", {})["OneloadRedirect"] = (
-            int(getattr(history[0], "status", 0) or 0), str(getattr(history[0], "headers", {}).get("Location", "")))
-
-
-_HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # the clients that carry _note_redirect
-
-
-async def _hook(fs, bucket: str) -> None:
-    s3 = await fs.get_s3(bucket)
-    if s3 not in _HOOKED:
-        # (registering twice under one unique_id is a no-op: a race here costs nothing)
-        s3.meta.events.register("after-call.s3.GetObject", _note_redirect, unique_id="metaseq-oneload-redirect")
-        _HOOKED.add(s3)
-
-
-def _redirected(url: str, offset: int, n: int, meta: dict) -> Optional[RemoteStoreError]:
-    hop = meta.get("OneloadRedirect")
-    if not hop:
-        return None
-    return _wrong(url, offset, n, f"redirected it (HTTP {hop[0]} to {hop[1] or 'another address'}); a ranged "
-                  "read must be answered where it was sent, what a redirect points to is not used")
-
-
-_POOL_LOCK = threading.Lock()
-_POOLS: dict = {}
-
-
-def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    # a forked child inherits the pool objects but none of their threads: new ones there
-    with _POOL_LOCK:
-        pool = _POOLS.get((n, os.getpid()))
-        if pool is None:
-            pool = _POOLS[(n, os.getpid())] = concurrent.futures.ThreadPoolExecutor(
-                max_workers=n, thread_name_prefix="oneload-get")
-        return pool
 
 
 class _ReadAhead:
@@ -749,7 +396,7 @@ def read_into(url: str, offset: int, view: memoryview) -> int:
         got = [one(*parts[0])]
     else:
         # The caller never runs on a pool thread, so waiting here cannot starve the pool.
-        got = list(_pool(s.concurrency).map(lambda ab: one(*ab), parts))
+        got = list(pool(s.concurrency).map(lambda ab: one(*ab), parts))
     done = 0
     for (a, b), g in zip(parts, got):
         if g < b - a:
@@ -828,7 +475,7 @@ _MIN_FETCH = 16 << 10
 
 class RemoteFile(io.RawIOBase):
     """(local) A read-only, seekable file over one object, for header reads: what
-    ``torch.load`` and ``zipfile`` read through, and what :func:`_reading._pread_exact`
+    ``torch.load`` and ``zipfile`` read through, and what :func:`_zip._pread_exact`
     takes in place of a descriptor (``pread``). Small reads are served from a shared cache
     of the ranges already fetched; large ones go straight to the store."""
 
@@ -889,7 +536,7 @@ class RemoteFile(io.RawIOBase):
             a, n = an
             _CACHE.put(self._key, a, read_range(self.url, a, n, self._st))
 
-        list(_pool(s.concurrency).map(one, todo))
+        list(pool(s.concurrency).map(one, todo))
 
     def readinto(self, b) -> int:
         view = memoryview(b).cast("B")

@@ -9,8 +9,8 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
 * it reads only pickles of the opcodes torch's loader reads (a scan first; no EXT, INST,
   OBJ, NEWOBJ_EX, protocol 4 framing, no memo index past the pickle's length).
 * ``find_class`` accepts exactly the names torch's loader accepts (torch's own allowlist,
-  the process's ``torch.serialization`` safe globals, our ``safe_globals()``) and refuses
-  every other name before anything of it is imported or called. It returns a stand-in
+  the process's ``torch.serialization`` safe globals, ours: :func:`._allowlist.allowed`)
+  and refuses every other name before anything of it is imported or called. It returns a stand-in
   that refuses BUILD for what the process shares (a Python class, a function, torch's
   storage classes), so a pickle cannot change them for later loads; C types and the
   like come back as they are. torch's tensor rebuild functions are replaced by builders of
@@ -32,16 +32,18 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
   dtype); torch's loader refuses them, they change nothing, and telling them apart needs
   to know what is on the stack, which the scan does not track.
 * before either unpickler runs the pickle, the tuples it builds are followed on a stack of
-  numbers (:func:`_scan`): one nested past MAX_DEPTH, or whose walk meets more items than
-  the file could hold without sharing, is refused (hashing it as a key would crash the
-  process or never end, in torch's loader too).
+  numbers (:func:`._opscan.scan`): one nested past MAX_DEPTH, or whose walk meets more
+  items than the file could hold without sharing, is refused (hashing it as a key would
+  crash the process or never end, in torch's loader too).
 * what the pass puts where torch's loader puts a tensor, a storage or a global (a record of
   ours) refuses repr, hash and truth value while the pass runs: an allowlisted callable
   applied to it (``str``, ``bool``, ``set``, ``Counter``, a dict key) would make something
   other than what it makes of torch's object, so torch's loader reads such a file. Dict keys
   and set elements in the result are checked like values (no stand-in of a global).
-* the checks of a header read run on the records: every storage has its record, of its
-  size; every tensor lies inside its storage. The walk that builds the meta tensors enters
+* the checks of a header read run on the records, the same rules :mod:`._header` applies
+  to what torch's loader gives (:func:`storage_record`, :func:`last_element`, one
+  :class:`StorageRef` type for both): every storage has its record, of its size; every
+  tensor lies inside its storage. The walk that builds the meta tensors enters
   each shared container once, and refuses (CheckpointLayoutError) a header nested past
   MAX_DEPTH, counting what a shared container holds wherever it is met again.
 * meta tensors are built for everything but the top-level ``last_optimizer_state``, which
@@ -49,7 +51,7 @@ second pass. This module does both in one pass of :class:`pickle.Unpickler` (C):
   never reads it, the optimizer paths (``_optim``) do.
 
 A file this pass cannot vouch for (refused, unknown to it, or failing a check) gets no
-header from it: torch's loader and ``_reading._check_zip`` then read it and say what is
+header from it: torch's loader and :func:`._header.check_zip` then read it and say what is
 wrong, in the words they always used.
 """
 
@@ -59,9 +61,7 @@ import _compat_pickle
 import argparse
 import collections
 import functools
-import io
 import pickle
-import struct
 import threading
 import types
 import typing
@@ -69,7 +69,9 @@ from typing import Any, Optional
 
 import torch
 
+from ._allowlist import allowed
 from ._errors import CheckpointLayoutError
+from ._opscan import scan, stream
 
 _OPTIMIZER_KEY = "last_optimizer_state"
 # How deep containers may nest in a header (dicts, lists, tuples, sets, Namespaces, one in
@@ -78,246 +80,6 @@ _OPTIMIZER_KEY = "last_optimizer_state"
 # recurse) and every recursive walk of the result then fails on (ours, deepcopy, pickle.dumps
 # for a broadcast, repr). Checked where the header is first walked, before anyone else walks it.
 MAX_DEPTH = 100
-
-# The opcodes torch's weights_only loader reads, by their argument's length; the C unpickler
-# reads every other one too, and some reach past find_class: EXT takes a global from
-# copyreg's process-wide cache (filled by any earlier unpickling) without asking it, INST,
-# OBJ and NEWOBJ_EX call with other arguments. A pickle with any other opcode goes to
-# torch's loader, which refuses it as it always did.
-_STOP, _STR4, _STR1, _GLOBAL, _PUT4 = -2, -3, -4, -5, -6
-_ARG_LEN = [-1] * 256
-for _op, _n in ((pickle.NEWOBJ, 0), (pickle.REDUCE, 0), (pickle.BUILD, 0), (pickle.APPEND, 0), (pickle.APPENDS, 0),
-                (pickle.SETITEM, 0), (pickle.SETITEMS, 0), (pickle.MARK, 0), (pickle.TUPLE, 0), (pickle.TUPLE1, 0),
-                (pickle.TUPLE2, 0), (pickle.TUPLE3, 0), (pickle.NONE, 0), (pickle.NEWFALSE, 0), (pickle.NEWTRUE, 0),
-                (pickle.EMPTY_TUPLE, 0), (pickle.EMPTY_LIST, 0), (pickle.EMPTY_DICT, 0), (pickle.EMPTY_SET, 0),
-                (pickle.BINPERSID, 0), (pickle.BININT, 4), (pickle.BININT1, 1), (pickle.BININT2, 2),
-                (pickle.BINFLOAT, 8), (pickle.BINGET, 1), (pickle.LONG_BINGET, 4), (pickle.BINPUT, 1),
-                (pickle.PROTO, 1), (pickle.STOP, _STOP), (pickle.BINUNICODE, _STR4),
-                (pickle.SHORT_BINSTRING, _STR1), (pickle.LONG1, _STR1), (pickle.GLOBAL, _GLOBAL),
-                (pickle.LONG_BINPUT, _PUT4)):
-    _ARG_LEN[_op[0]] = _n
-_U32 = struct.Struct("<I").unpack_from
-
-
-class _View(io.RawIOBase):
-    """A read-only file over a buffer, which it never copies whole."""
-
-    def __init__(self, data):
-        self._mv, self._pos = memoryview(data).cast("B"), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._mv) - self._pos))
-        b[:n] = self._mv[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-
-def stream(data) -> io.BufferedIOBase:
-    """A file over a pickle's bytes for an unpickler: ``bytes`` as they are (BytesIO shares
-    them), any other buffer (the bytearray an inflated record fills) without the copy BytesIO
-    would make of it."""
-    if type(data) is bytes:
-        return io.BytesIO(data)
-    return io.BufferedReader(_View(data), 1 << 20)
-
-
-def _torch_opcodes_only(data: bytes) -> bool:
-    """Whether ``data`` holds only opcodes torch's loader reads, and no memo index past its
-    own length: the C unpickler grows its memo array to twice the largest index and clears
-    it, so LONG_BINPUT 2**32-1 (9 bytes) would make it write 64 GiB; a pickler numbers its
-    memo from 0, one PUT at a time. (A Python loop: a fifth of a header read, 22 ms for
-    250k opcodes, where torch's loader takes 0.8 s.)"""
-    arg, n, i, find, u32 = _ARG_LEN, len(data), 0, data.find, _U32
-    try:
-        while True:
-            k = arg[data[i]]
-            if k >= 0:
-                i += 1 + k
-            elif k == _STR4:
-                i += 5 + u32(data, i + 1)[0]
-            elif k == _STR1:
-                i += 2 + data[i + 1]
-            elif k == _PUT4:
-                if u32(data, i + 1)[0] >= n:
-                    return False
-                i += 5
-            elif k == _GLOBAL:  # two lines; each find starts past the last, so i only grows
-                j = find(b"\n", i + 1)
-                j = find(b"\n", j + 1) if j > 0 else -1
-                if j < 0:
-                    return False
-                i = j + 1
-            else:
-                return k == _STOP
-    except (IndexError, struct.error):  # an argument past the end: truncated
-        return False
-
-
-# How the rarer opcodes torch's loader reads move the stack, for _scan (the common ones
-# are spelled out there): what each pushes (a scalar, an empty container: nesting 0), pops.
-_PUSH0, _TUPLE_N, _POP1, _POP2, _POP_MARK, _NOP = range(6)
-_SIM = [-1] * 256
-for _ops, _kind in (((pickle.NONE, pickle.NEWTRUE, pickle.BININT, pickle.BININT2, pickle.BINFLOAT,
-                      pickle.SHORT_BINSTRING, pickle.LONG1, pickle.GLOBAL, pickle.EMPTY_LIST, pickle.EMPTY_DICT,
-                      pickle.EMPTY_SET), _PUSH0),
-                    ((pickle.TUPLE2, pickle.TUPLE3), _TUPLE_N), ((pickle.APPEND, pickle.BUILD), _POP1),
-                    ((pickle.SETITEM,), _POP2), ((pickle.APPENDS, pickle.SETITEMS), _POP_MARK),
-                    ((pickle.PROTO, pickle.BINPUT), _NOP)):
-    for _op in _ops:
-        _SIM[_op[0]] = _kind
-_OP = {name: getattr(pickle, name)[0] for name in (
-    "LONG_BINPUT", "BINGET", "BININT1", "MARK", "TUPLE", "REDUCE", "NEWOBJ", "EMPTY_TUPLE", "TUPLE1", "BINUNICODE",
-    "BINPERSID", "NEWFALSE", "LONG_BINGET", "BINPUT", "TUPLE2")}
-
-
-_SIZE_BITS = 40
-_SIZE = (1 << _SIZE_BITS) - 1
-
-
-def _scan(data: bytes, limit: int) -> tuple:
-    """(plain, tuples): ``plain`` as :func:`_torch_opcodes_only` says; ``tuples``: None when
-    every tuple the pickle builds is one a hash or repr walks in proportion to the file, up
-    to its first opcode torch's loader does not read (where that loader stops); else what
-    is wrong with the first that is not.
-
-    Hashing a tuple (a dict key, a set element, what Counter counts) recurses in C with no
-    recursion check and no memo: a 200,000-deep tuple in a 400 KB pickle crashes the process
-    (SIGSEGV), and ``a = (a, a)`` sixty times (a 1 KB pickle, sharing through the memo)
-    hashes 2**60 items, in torch's own loader as in the C unpickler. So before either runs
-    the pickle, the tuples are followed on a stack of numbers, one per object on the
-    unpickler's stack: how deep it nests in tuples (high bits) and how many items a walk of
-    it meets, shared ones each time (low bits). A call's result counts as its arguments;
-    lists and dicts as one item (a tuple holding one is not hashable, and fails there). A
-    malformed pickle ends the scan as not plain; its unpickler says what is wrong. One loop
-    for both answers (the common opcodes first): about 2.5 times the opcode scan alone."""
-    o = _OP
-    LBP, BG, BI1, MARK, TUP, RED, NEWOBJ, ETUP, TUP1, BU, PID, NF, LBG, BP = (
-        o["LONG_BINPUT"], o["BINGET"], o["BININT1"], o["MARK"], o["TUPLE"], o["REDUCE"], o["NEWOBJ"],
-        o["EMPTY_TUPLE"], o["TUPLE1"], o["BINUNICODE"], o["BINPERSID"], o["NEWFALSE"], o["LONG_BINGET"], o["BINPUT"])
-    arg, sim, n, find, u32 = _ARG_LEN, _SIM, len(data), data.find, _U32
-    bits, size = _SIZE_BITS, _SIZE
-    most = max(1 << 20, 16 * n)  # items a walk of one tuple may meet: what the file itself holds, and then some
-    stack: list = []
-    marks: list = []
-    memo: dict = {}
-    push, pop, mark = stack.append, stack.pop, marks.append
-    plain = True
-    i = 0
-
-    def tuple_of(items) -> Optional[int]:  # its number, or None past the bounds
-        d = max((v >> bits for v in items), default=0) + 1
-        m = sum((v & size) or 1 for v in items) + 1
-        return None if d > limit or m > most else d << bits | m
-
-    def why(items) -> str:
-        d = max((v >> bits for v in items), default=0) + 1
-        return (f"tuples nested {d} deep" if d > limit else
-                f"a tuple that a hash or repr walks through more than {most} items (shared tuples inside it)")
-
-    try:
-        while True:
-            op = data[i]
-            if op == LBP:
-                idx = u32(data, i + 1)[0]
-                if idx >= n:  # the C unpickler would grow its memo array to twice that
-                    plain = False
-                memo[idx] = stack[-1]
-                i += 5
-            elif op == BG:
-                push(memo.get(data[i + 1], 0))
-                i += 2
-            elif op == BI1:
-                push(0)
-                i += 2
-            elif op == MARK:
-                mark(len(stack))
-                i += 1
-            elif op == TUP:
-                at = marks.pop()
-                items = stack[at:]
-                if not any(items):  # scalars only: the common one
-                    v = 1 << bits | (len(items) + 1)
-                else:
-                    v = tuple_of(items)
-                    if v is None:
-                        return plain, why(items)
-                del stack[at:]
-                push(v)
-                i += 1
-            elif op == RED or op == NEWOBJ:
-                d = pop()
-                stack[-1] = d
-                i += 1
-            elif op == ETUP:
-                push(1 << bits | 1)
-                i += 1
-            elif op == TUP1:
-                v = stack[-1]
-                if not v:
-                    stack[-1] = 1 << bits | 2  # the common one: a shape of one dimension
-                else:
-                    v = tuple_of([v])
-                    if v is None:
-                        return plain, why(stack[-1:])
-                    stack[-1] = v
-                i += 1
-            elif op == BU:
-                push(0)
-                i += 5 + u32(data, i + 1)[0]
-            elif op == PID:
-                stack[-1] = 0
-                i += 1
-            elif op == NF:
-                push(0)
-                i += 1
-            elif op == LBG:
-                push(memo.get(u32(data, i + 1)[0], 0))
-                i += 5
-            else:
-                kind = sim[op]
-                if kind == _PUSH0:
-                    push(0)
-                elif kind == _TUPLE_N:
-                    k = 2 if op == o["TUPLE2"] else 3
-                    if len(stack) < k:
-                        return False, None
-                    v = tuple_of(stack[-k:])
-                    if v is None:
-                        return plain, why(stack[-k:])
-                    del stack[-k:]
-                    push(v)
-                elif kind == _POP1:
-                    pop()
-                elif kind == _POP2:
-                    if len(stack) < 2:
-                        return False, None
-                    del stack[-2:]
-                elif kind == _POP_MARK:
-                    del stack[marks.pop():]
-                elif kind == _NOP:
-                    if op == BP:
-                        memo[data[i + 1]] = stack[-1]
-                else:  # STOP, or an opcode torch's loader refuses: it reads no further
-                    return plain and op == pickle.STOP[0], None
-                k = arg[op]
-                if k >= 0:
-                    i += 1 + k
-                elif k == _STR4:
-                    i += 5 + u32(data, i + 1)[0]
-                elif k == _STR1:
-                    i += 2 + data[i + 1]
-                else:  # GLOBAL: two lines; each find starts past the last, so i only grows
-                    j = find(b"\n", i + 1)
-                    j = find(b"\n", j + 1) if j > 0 else -1
-                    if j < 0:
-                        return False, None
-                    i = j + 1
-    except (IndexError, struct.error, ValueError):  # truncated, or the stack runs out: malformed
-        return False, None
-
 
 _LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.dtype))
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C type, whose attributes nothing can set
@@ -377,9 +139,11 @@ class _Record:
         return True
 
 
-class _Storage(_Record):
-    """One storage the pickle names (its persistent id), checked against its record; the
-    meta storage is made when a tensor on it is first built."""
+class StorageRef(_Record):
+    """One storage a pickle names (torch's persistent id): its record's key, dtype and
+    elements, checked against the record. Both readers of a header list the storages with it
+    (:func:`storage_of`): this pass, which also makes the meta storage when a tensor on it is
+    first built, and :mod:`._header`'s listing for a file torch's own loader reads."""
 
     __slots__ = ("key", "dtype", "numel", "file_offset", "_untyped")
 
@@ -391,6 +155,10 @@ class _Storage(_Record):
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def same(self, other: "StorageRef") -> bool:
+        """Whether two mentions of one key name the same storage."""
+        return (self.dtype, self.numel) == (other.dtype, other.numel)
 
     def untyped(self) -> torch.UntypedStorage:
         if self._untyped is None:
@@ -405,6 +173,40 @@ class _Storage(_Record):
 
     def _describe(self) -> str:
         return f"<storage data/{self.key}: {self.numel} {self.dtype}>"
+
+
+def storage_record(index: Any, ref: StorageRef) -> tuple:
+    """(local) (the record of storage ``ref`` in the archive ``index``, None) where it holds
+    exactly the bytes the pickle declares, else (that record or None where it is missing,
+    why torch.load would refuse it). Both readers of a header check every storage so."""
+    rec = index.records.get("data/" + ref.key)
+    if rec is None:
+        return None, f"the pickle refers to record {index.folder}/data/{ref.key}, which the archive does not hold"
+    if rec.size != ref.nbytes:
+        return rec, (f"storage record {index.folder}/data/{ref.key} holds {rec.size} bytes, the header "
+                     f"declares {ref.nbytes}")
+    return rec, None
+
+
+def last_element(offset: int, size: typing.Sequence[int], stride: typing.Sequence[int]) -> Optional[int]:
+    """(local) The last element of its storage a (non-empty) tensor reaches; None where its
+    offset or a stride is negative, which torch.save never writes. Both readers of a header
+    check every tensor so."""
+    if offset < 0 or any(st < 0 for st in stride):
+        return None
+    return offset + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def storage_of(pid: Any, dtype_of: typing.Callable[[Any], Optional[torch.dtype]]) -> Optional[StorageRef]:
+    """(local) The storage a persistent id names, where it is one torch.save writes
+    (``('storage', <dtype>Storage, key, location, elements)``), else None. ``dtype_of``: the
+    dtype the reader's stand-in for the storage class names (None: not a storage class)."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+        return None
+    dtype = dtype_of(pid[1])
+    if dtype is None or not isinstance(pid[4], int):
+        return None
+    return StorageRef(f"{pid[2]}", dtype, pid[4])  # torch reads record data/{key}
 
 
 class _Stub(_Record):
@@ -567,13 +369,18 @@ def _stand_in(obj: Any) -> Any:
     return obj  # a C object that is neither called nor built on: a dtype, a qscheme
 
 
+def _dtype_named(storage_class: Any) -> Optional[torch.dtype]:
+    """The dtype of a storage class as this pass hands it out (:func:`_stand_in`)."""
+    return storage_class.dtype if type(storage_class) is _StorageClass else None
+
+
 class _HeaderUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` (C) under torch's ``weights_only`` allowlist, tensors as stubs."""
 
     def __init__(self, data: bytes, allowed: dict):
         super().__init__(stream(data), encoding="utf-8")  # torch.load's encoding
         self.allowed = allowed
-        self.storages: dict = {}  # key -> _Storage, in first-use order
+        self.storages: dict = {}  # key -> StorageRef, in first-use order
         self.stubs: list = []
         wo = torch._weights_only_unpickler
         self.blocked = wo._blocklisted_modules
@@ -604,24 +411,17 @@ class _HeaderUnpickler(pickle.Unpickler):
             raise _NotPlain(full)
         return _stand_in(obj)
 
-    def persistent_load(self, pid: Any) -> _Storage:
-        if type(pid) is not tuple or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
+    def persistent_load(self, pid: Any) -> StorageRef:
+        ref = storage_of(pid, _dtype_named)
+        if ref is None:
             raise _NotPlain(f"persistent id {pid!r}")
-        _, storage_type, key, _location, numel = pid
-        dtype = (torch.uint8 if storage_type is torch.UntypedStorage
-                 else storage_type.dtype if type(storage_type) is _StorageClass else None)
-        if dtype is None or type(numel) is not int:
-            raise _NotPlain(f"persistent id {pid!r}")
-        key = f"{key}"  # torch reads record data/{key}
-        s = self.storages.get(key)
-        if s is None:
-            s = self.storages[key] = _Storage(key, dtype, numel)
-        elif (s.dtype, s.numel) != (dtype, numel):
-            raise _NotPlain(f"storage {key} named twice, differently")
+        s = self.storages.setdefault(ref.key, ref)
+        if not s.same(ref):
+            raise _NotPlain(f"storage {ref.key} named twice, differently")
         return s
 
     def _stub(self, storage, offset, size, stride, requires_grad, metadata=None) -> _Stub:
-        if (type(storage) is not _Storage or type(offset) is not int or not 0 <= offset < 2 ** 63
+        if (type(storage) is not StorageRef or type(offset) is not int or not 0 <= offset < 2 ** 63
                 or not _ints(size) or not _ints(stride)
                 or len(size) != len(stride) or any(n < 0 for n in size) or type(requires_grad) is not bool
                 or metadata or (requires_grad and not (storage.dtype.is_floating_point or storage.dtype.is_complex))):
@@ -649,23 +449,6 @@ class _HeaderUnpickler(pickle.Unpickler):
         if state:
             raise _NotPlain("a parameter with state")
         return self._parameter(data, requires_grad, backward_hooks)
-
-
-def _allowed() -> dict:
-    """Every name torch's ``weights_only`` loader accepts inside ``_reading._allowlisted()``:
-    its own allowlist first, then the process's safe globals and ours."""
-    return _allowed_with(frozenset(torch._weights_only_unpickler._marked_safe_globals_set))
-
-
-@functools.lru_cache(maxsize=8)
-def _allowed_with(process: frozenset) -> dict:
-    from ._reading import safe_globals
-
-    wo = torch._weights_only_unpickler
-    allowed = {f"{g.__module__}.{g.__qualname__}": g for g in safe_globals()}
-    allowed.update(wo._get_user_allowed_globals())  # the process's, ``process`` as torch reads it
-    allowed.update(wo._get_allowed_globals())
-    return allowed
 
 
 _IN_PROGRESS = object()
@@ -709,7 +492,7 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set, depth: int = 1, he
     if t is _Stub:
         reached.add(id(obj))
         return obj.tensor() if build else obj
-    if t is _Storage:
+    if t is StorageRef:
         raise _NotPlain("a storage outside a tensor")
     if t in _ENTERED or t is tuple or t is torch.Size:
         done = seen.get(id(obj))
@@ -722,62 +505,8 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set, depth: int = 1, he
             return done
         if depth > MAX_DEPTH:
             raise _TooDeep([])
-    if t in _ENTERED:
-        seen[id(obj)] = obj
-        d = vars(obj) if t is argparse.Namespace else obj
-        sub = 0
-        if isinstance(d, dict):
-            if not _leaves_only(dict.keys(d)):
-                sub = max(_key_height(k, depth + 1) for k in dict.keys(d))
-            values = dict.values(d)
-        else:
-            values = d
-        if not _leaves_only(values):
-            items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
-            for k, v in items:
-                tv = type(v)
-                if tv in _LEAVES:
-                    continue
-                if (tv is list or tv is tuple) and _leaves_only(v):
-                    sub = max(sub, 1)
-                    continue
-                try:
-                    new = _resolve(v, build, seen, reached, depth + 1, heights)
-                except _TooDeep as e:
-                    e.args[0].insert(0, k)
-                    raise
-                sub = max(sub, heights.get(id(v), 0))
-                if new is not v:
-                    d[k] = new  # a value replaced, no key added: iterating on is safe
-        if depth + sub > MAX_DEPTH:
-            raise _TooDeep([])
-        heights[id(obj)] = 1 + sub
-        return obj
-    if t is tuple or t is torch.Size:
-        if _leaves_only(obj):
-            return obj  # the common tuple: a shape
-        seen[id(obj)] = _IN_PROGRESS
-        new, sub = [], 0
-        for i, v in enumerate(obj):
-            if type(v) in _LEAVES:
-                new.append(v)
-                continue
-            try:
-                new.append(_resolve(v, build, seen, reached, depth + 1, heights))
-            except _TooDeep as e:
-                e.args[0].insert(0, i)
-                raise
-            sub = max(sub, heights.get(id(v), 0))
-        new = tuple(new)
-        if all(a is b for a, b in zip(new, obj)):
-            new = obj
-        elif t is not tuple:  # a torch.Size holding a tensor: not rebuilt here
-            raise _NotPlain(f"a tensor inside a {t.__name__}")
-        if depth + sub > MAX_DEPTH:
-            raise _TooDeep([])
-        seen[id(obj)] = new
-        heights[id(obj)] = 1 + sub
-        return new
+        walk = _resolve_entered if t in _ENTERED else _resolve_tuple
+        return walk(obj, build, seen, reached, depth, heights)
     if t is _Call or t is _Builder or t is _StorageClass or id(obj) in _GUARDS:
         raise _NotPlain("a global used as a value")  # where torch's loader gives the real one
     if t is set:  # not entered for stubs (hashing one stopped the pass); its elements are keys
@@ -790,6 +519,69 @@ def _resolve(obj: Any, build: bool, seen: dict, reached: set, depth: int = 1, he
     # nothing else can come out of the pass (see _INERT); a class added to it without its
     # objects being vetted here goes to torch's loader rather than through unchecked
     raise _NotPlain(f"a {t.__name__} in the header")
+
+
+def _resolve_entered(obj: Any, build: bool, seen: dict, reached: set, depth: int, heights: dict) -> Any:
+    """:func:`_resolve` of a dict, list or Namespace met for the first time: changed in place."""
+    seen[id(obj)] = obj
+    d = vars(obj) if type(obj) is argparse.Namespace else obj
+    sub = 0
+    if isinstance(d, dict):
+        if not _leaves_only(dict.keys(d)):
+            sub = max(_key_height(k, depth + 1) for k in dict.keys(d))
+        values = dict.values(d)
+    else:
+        values = d
+    if not _leaves_only(values):
+        items = dict.items(d) if isinstance(d, dict) else enumerate(d)  # dict's own: a _Deferred's builds
+        for k, v in items:
+            tv = type(v)
+            if tv in _LEAVES:
+                continue
+            if (tv is list or tv is tuple) and _leaves_only(v):
+                sub = max(sub, 1)
+                continue
+            try:
+                new = _resolve(v, build, seen, reached, depth + 1, heights)
+            except _TooDeep as e:
+                e.args[0].insert(0, k)
+                raise
+            sub = max(sub, heights.get(id(v), 0))
+            if new is not v:
+                d[k] = new  # a value replaced, no key added: iterating on is safe
+    if depth + sub > MAX_DEPTH:
+        raise _TooDeep([])
+    heights[id(obj)] = 1 + sub
+    return obj
+
+
+def _resolve_tuple(obj: tuple, build: bool, seen: dict, reached: set, depth: int, heights: dict) -> tuple:
+    """:func:`_resolve` of a tuple (or torch.Size) met for the first time: rebuilt where a
+    stub in it became a tensor."""
+    if _leaves_only(obj):
+        return obj  # the common tuple: a shape
+    seen[id(obj)] = _IN_PROGRESS
+    new, sub = [], 0
+    for i, v in enumerate(obj):
+        if type(v) in _LEAVES:
+            new.append(v)
+            continue
+        try:
+            new.append(_resolve(v, build, seen, reached, depth + 1, heights))
+        except _TooDeep as e:
+            e.args[0].insert(0, i)
+            raise
+        sub = max(sub, heights.get(id(v), 0))
+    new = tuple(new)
+    if all(a is b for a, b in zip(new, obj)):
+        new = obj
+    elif type(obj) is not tuple:  # a torch.Size holding a tensor: not rebuilt here
+        raise _NotPlain(f"a tensor inside a {type(obj).__name__}")
+    if depth + sub > MAX_DEPTH:
+        raise _TooDeep([])
+    seen[id(obj)] = new
+    heights[id(obj)] = 1 + sub
+    return new
 
 
 class _Deferred(dict):
@@ -873,7 +665,7 @@ def header(path: str, index: Any, data: bytes) -> tuple:
     None) when this pass cannot read the file (then torch's loader does). Raises
     CheckpointLayoutError for a pickle that neither this pass nor torch's loader may run (its
     tuples nest past MAX_DEPTH: hashing one would crash the process)."""
-    plain, bad_tuple = _scan(data, MAX_DEPTH)
+    plain, bad_tuple = scan(data, MAX_DEPTH)
     if bad_tuple:
         raise CheckpointLayoutError(
             f"{path}: the checkpoint's pickle builds {bad_tuple}, found before unpickling it: hashing or printing "
@@ -884,7 +676,7 @@ def header(path: str, index: Any, data: bytes) -> tuple:
         return None, None
     _MADE.objs = made = []
     try:
-        u = _HeaderUnpickler(data, _allowed())
+        u = _HeaderUnpickler(data, allowed())
         obj = u.load()
     except Exception:  # noqa: BLE001 - refused, or not plain: torch's loader reads it and says why
         return None, None
@@ -896,52 +688,11 @@ def header(path: str, index: Any, data: bytes) -> tuple:
             continue  # as if the pickle had written it (a stub refuses BUILD)
         if t not in _MADE_OK or "extend" in m.__dict__ or "append" in m.__dict__:
             return None, None  # e.g. an allowlisted function's bytearray, a user's safe class
-    for s in u.storages.values():
-        rec = index.records.get("data/" + s.key)
-        if rec is None:
-            return None, f"the pickle refers to record {index.folder}/data/{s.key}, which the archive does not hold"
-        if rec.size != s.nbytes:
-            return None, (f"storage record {index.folder}/data/{s.key} holds {rec.size} bytes, the header "
-                          f"declares {s.nbytes}")
-    for stub in u.stubs:
-        if stub.wrapped or 0 in stub.size:
-            continue
-        if stub.offset < 0 or any(st < 0 for st in stub.stride):
-            return None, "a tensor with negative strides or offsets"
-        last = stub.offset + sum((n - 1) * st for n, st in zip(stub.size, stub.stride))
-        if last >= stub.storage.numel:
-            return None, f"a tensor reaches element {last + 1} of a storage of {stub.storage.numel} elements"
-    in_place = index.why_not_range_readable is None
-    for s in u.storages.values():
-        s.file_offset = index.records["data/" + s.key].data_offset if in_place else None
+    problem = _check(u, index)
+    if problem:
+        return None, problem
     try:
-        seen: dict = {}
-        reached: set = set()
-        heights: dict = {}
-        deferred = None
-        # only a plain dict (an OrderedDict stays one) that no other top-level key holds too
-        # (that key would be left holding its tensor records)
-        if type(obj) is dict and type(obj.get(_OPTIMIZER_KEY)) is dict and sum(
-                v is obj[_OPTIMIZER_KEY] for v in obj.values()) == 1:
-            deferred = obj[_OPTIMIZER_KEY]
-            seen[id(obj)] = obj
-            for k in obj:
-                if type(k) not in _LEAVES:
-                    _key_height(k, 2)
-            # the rest first: what it shares with the optimizer state is built there
-            for k, v in [*((k, v) for k, v in obj.items() if v is not deferred), (_OPTIMIZER_KEY, deferred)]:
-                if type(v) in _LEAVES:
-                    continue
-                try:
-                    new = _resolve(v, v is not deferred, seen, reached, 2, heights)  # counted; built on first use
-                except _TooDeep as e:
-                    e.args[0].insert(0, k)
-                    raise
-                if new is not v:
-                    obj[k] = new
-            obj[_OPTIMIZER_KEY] = _Deferred(deferred)
-        else:
-            obj = _resolve(obj, True, seen, reached, 1, heights)
+        obj, reached = _build(obj)
     except _TooDeep as e:
         raise too_deep_error(path, e.args[0]) from None
     except (_NotPlain, RecursionError):
@@ -949,4 +700,57 @@ def header(path: str, index: Any, data: bytes) -> tuple:
     if not {id(s) for s in u.stubs if not s.wrapped} <= reached:
         return None, None  # a tensor inside a container this pass does not enter: torch's loader builds it
     return obj, None
+
+
+def _check(u: _HeaderUnpickler, index: Any) -> Optional[str]:
+    """(local) What is wrong with the storages and tensors the pass read, against the
+    archive's records, or None; then every storage carries its verified data offset."""
+    for s in u.storages.values():
+        _, problem = storage_record(index, s)
+        if problem:
+            return problem
+    for stub in u.stubs:
+        if stub.wrapped or 0 in stub.size:
+            continue
+        last = last_element(stub.offset, stub.size, stub.stride)
+        if last is None:
+            return "a tensor with negative strides or offsets"
+        if last >= stub.storage.numel:
+            return f"a tensor reaches element {last + 1} of a storage of {stub.storage.numel} elements"
+    in_place = index.why_not_range_readable is None
+    for s in u.storages.values():
+        s.file_offset = index.records["data/" + s.key].data_offset if in_place else None
+    return None
+
+
+def _build(obj: Any) -> tuple:
+    """(local) (the header with its meta tensors, the ids of the stubs reached): the
+    top-level ``last_optimizer_state`` only counted, to be built on first use
+    (:class:`_Deferred`). Raises _TooDeep and _NotPlain as :func:`_resolve` does."""
+    seen: dict = {}
+    reached: set = set()
+    heights: dict = {}
+    # only a plain dict (an OrderedDict stays one) that no other top-level key holds too
+    # (that key would be left holding its tensor records)
+    if not (type(obj) is dict and type(obj.get(_OPTIMIZER_KEY)) is dict
+            and sum(v is obj[_OPTIMIZER_KEY] for v in obj.values()) == 1):
+        return _resolve(obj, True, seen, reached, 1, heights), reached
+    deferred = obj[_OPTIMIZER_KEY]
+    seen[id(obj)] = obj
+    for k in obj:
+        if type(k) not in _LEAVES:
+            _key_height(k, 2)
+    # the rest first: what it shares with the optimizer state is built there
+    for k, v in [*((k, v) for k, v in obj.items() if v is not deferred), (_OPTIMIZER_KEY, deferred)]:
+        if type(v) in _LEAVES:
+            continue
+        try:
+            new = _resolve(v, v is not deferred, seen, reached, 2, heights)  # counted; built on first use
+        except _TooDeep as e:
+            e.args[0].insert(0, k)
+            raise
+        if new is not v:
+            obj[k] = new
+    obj[_OPTIMIZER_KEY] = _Deferred(deferred)
+    return obj, reached
 

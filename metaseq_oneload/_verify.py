@@ -2,8 +2,10 @@
 
 Both sides are planned as the full model (model parallel 1, unflattened, metaseq's names,
 split ``k/v/q_proj`` fused into ``qkv_proj``), then each tensor is read one chunk of each side
-at a time (``_execute.fill``: only the byte ranges a chunk needs). Identical bytes need no
-arithmetic, the common case after a conversion; otherwise the chunk is compared in float64.
+at a time: each side is a list of read items that the one executor (``_execute.stream``:
+only the byte ranges a chunk needs) carries out into the running comparison. Identical
+bytes need no arithmetic, the common case after a conversion; otherwise the chunk is
+compared in float64.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Callable, Optional
 import torch
 
 from .formats import discover
-from ._execute import fill
-from ._loading import check_option
+from ._execute import ReadItem, stream
+from ._options import check_option
 from ._plan import TargetTensor, plan_part
 from ._reading import RangeReader
-from ._writing import progress_bar
+from ._writing import Meter
 
 __all__ = ["TensorDiff", "VerifyReport", "verify"]
 
@@ -90,7 +92,10 @@ class VerifyReport:
 
 class _Scratch:
     """Buffers reused for every chunk of every tensor: fresh pages cost more than the
-    arithmetic on many machines."""
+    arithmetic on many machines. ``elements`` per chunk: each side's raw bytes (8 bytes an
+    element at most) and four float64 work arrays, 48 bytes an element in all."""
+
+    BYTES_PER_ELEMENT = 2 * 8 + 4 * 8
 
     def __init__(self, elements: int):
         self.elements = elements
@@ -104,23 +109,20 @@ class _Scratch:
         return self._f64[i][:n]
 
 
-def _compare(name: str, ta: TargetTensor, tb: TargetTensor, ra: RangeReader, rb: RangeReader, atol: float,
-             rtol: float, scratch: _Scratch) -> TensorDiff:
-    numel = ta.numel
-    ia, ib = _itemsize(ta.dtype), _itemsize(tb.dtype)
-    step = scratch.elements
-    max_abs, max_rel, bad = 0.0, 0.0, 0
-    identical = ta.dtype == tb.dtype
-    for lo in range(0, numel, step):
-        n = min(step, numel - lo)
-        raw_a, raw_b = scratch.raw_a[: n * ia], scratch.raw_b[: n * ib]
-        xa, xb = raw_a.view(ta.dtype), raw_b.view(tb.dtype)
-        fill(ta, xa, lo, ra)
-        fill(tb, xb, lo, rb)
-        if ta.dtype == tb.dtype and torch.equal(raw_a, raw_b):
-            continue  # the common case after a conversion: no arithmetic needed
-        identical = False
-        da, db, diff, tmp = (scratch.f64(i, n) for i in range(4))
+class _Comparison:
+    """(local) The comparison sink: the running difference of one tensor, a chunk of each
+    side at a time."""
+
+    def __init__(self, atol: float, rtol: float, scratch: _Scratch, same_dtype: bool):
+        self.atol, self.rtol, self.scratch = atol, rtol, scratch
+        self.max_abs, self.max_rel, self.bad = 0.0, 0.0, 0
+        self.identical = same_dtype
+
+    def add(self, xa: torch.Tensor, xb: torch.Tensor) -> None:
+        if xa.dtype == xb.dtype and torch.equal(xa.view(torch.uint8), xb.view(torch.uint8)):
+            return  # the common case after a conversion: no arithmetic needed
+        self.identical = False
+        da, db, diff, tmp = (self.scratch.f64(i, xa.numel()) for i in range(4))
         da.copy_(xa)
         db.copy_(xb)
         torch.sub(da, db, out=diff).abs_()
@@ -130,12 +132,28 @@ def _compare(name: str, ta: TargetTensor, tb: TargetTensor, ra: RangeReader, rb:
         torch.abs(db, out=tmp)
         nonzero = (tmp != 0).logical_and_(tmp.isfinite())
         if bool(nonzero.any()):
-            max_rel = max(max_rel, float((diff[nonzero] / tmp[nonzero]).max()))
-        tmp.mul_(rtol).add_(atol).nan_to_num_(nan=0.0, posinf=0.0)  # no tolerance against NaN or inf
-        bad += int((diff > tmp).sum())
-        max_abs = max(max_abs, float(diff.max()))
+            self.max_rel = max(self.max_rel, float((diff[nonzero] / tmp[nonzero]).max()))
+        tmp.mul_(self.rtol).add_(self.atol).nan_to_num_(nan=0.0, posinf=0.0)  # no tolerance against NaN or inf
+        self.bad += int((diff > tmp).sum())
+        self.max_abs = max(self.max_abs, float(diff.max()))
+
+
+def _compare(name: str, ta: TargetTensor, tb: TargetTensor, ra: RangeReader, rb: RangeReader, atol: float,
+             rtol: float, scratch: _Scratch) -> TensorDiff:
+    """(local) One tensor: both sides' read items carried out by the executor in chunks of
+    the same elements (each side's buffer sized for its dtype), into the comparison."""
+    items = (ReadItem(name, 0, ta.numel),)
+    n = scratch.elements
+    ia, ib = _itemsize(ta.dtype), _itemsize(tb.dtype)
+    side_a = stream(items, {name: ta}, ra, n * ia, scratch.raw_a[: n * ia])
+    side_b = stream(items, {name: tb}, rb, n * ib, scratch.raw_b[: n * ib])
+    sink = _Comparison(atol, rtol, scratch, ta.dtype == tb.dtype)
+    for (got_a, xa), (got_b, xb) in zip(side_a, side_b):
+        if got_a != got_b:  # the same elements of both sides, or nothing is compared
+            raise RuntimeError(f"{name}: chunks {got_a} and {got_b} do not line up")
+        sink.add(xa, xb)
     return TensorDiff(name, tuple(ta.shape), str(ta.dtype).replace("torch.", ""), str(tb.dtype).replace("torch.", ""),
-                      max_abs, max_rel, bad, identical)
+                      sink.max_abs, sink.max_rel, sink.bad, sink.identical)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -143,12 +161,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def verify(
-    a: "str | os.PathLike",
-    b: "str | os.PathLike",
+    path: "str | os.PathLike",
+    other: "str | os.PathLike",
     *,
     atol: float = 1e-8,
     rtol: float = 1e-5,
-    chunk_mb: float = 8,
+    chunk_mb: float = 64,
     trust_pickle: bool = False,
     progress: "Optional[bool] | Callable[[int, int], None]" = None,
 ) -> VerifyReport:
@@ -157,7 +175,13 @@ def verify(
     Both are read as the full (model parallel 1, unflattened) model with metaseq's names
     (split ``k/v/q_proj`` fused to ``qkv_proj``), tensor by tensor, one chunk of each at a
     time. A tensor matches when every element satisfies ``|a - b| <= atol + rtol * |b|``
-    (``torch.allclose``'s rule; NaN equals NaN). Optimizer state is not compared.
+    (``torch.allclose``'s rule; NaN equals NaN), ``a`` from ``path`` and ``b`` from
+    ``other``. Optimizer state is not compared.
+
+    Memory: ``chunk_mb`` of scratch in all (``chunk_mb / 48`` elements a chunk: both sides'
+    raw bytes and four float64 work arrays), plus each side's reader staging of at most
+    a chunk's raw bytes where a dtype is cast. ``progress``: a bar (default: when stderr is
+    a terminal) or a callable of (bytes compared so far, bytes in all).
 
     Returns:
         A :class:`VerifyReport`; ``.match`` is True when the names, shapes and every value agree.
@@ -166,27 +190,25 @@ def verify(
     check_option("atol", atol)
     check_option("rtol", rtol)
     check_option("chunk_mb", chunk_mb)
-    la, lb = discover(a, trust_pickle=trust_pickle), discover(b, trust_pickle=trust_pickle)
+    la, lb = discover(path, trust_pickle=trust_pickle), discover(other, trust_pickle=trust_pickle)
     ta, tb = plan_part(la, 1, 0, qkv="fused"), plan_part(lb, 1, 0, qkv="fused")
     only_a = tuple(n for n in ta if n not in tb)
     only_b = tuple(n for n in tb if n not in ta)
     common = [n for n in ta if n in tb]
     shapes = tuple((n, tuple(ta[n].shape), tuple(tb[n].shape)) for n in common if tuple(ta[n].shape) != tuple(tb[n].shape))
     bad_shape = {s[0] for s in shapes}
-    chunk = max(1 << 16, int(chunk_mb * _MiB))
     todo = [n for n in common if n not in bad_shape]
-    callback, close_bar = progress_bar(progress, sum(ta[n].nbytes + tb[n].nbytes for n in todo), len(todo), "verify")
+    scratch = _Scratch(max(1 << 13, int(chunk_mb * _MiB) // _Scratch.BYTES_PER_ELEMENT))
+    meter = Meter(progress, sum(ta[n].nbytes + tb[n].nbytes for n in todo), len(todo), "verify")
     diffs = []
-    scratch = _Scratch(max(1, chunk // 8))
     try:
-        with RangeReader(chunk_bytes=chunk, trust_pickle=trust_pickle) as ra, \
-                RangeReader(chunk_bytes=chunk, trust_pickle=trust_pickle) as rb:
+        with RangeReader(chunk_bytes=scratch.raw_a.numel(), trust_pickle=trust_pickle) as ra, \
+                RangeReader(chunk_bytes=scratch.raw_b.numel(), trust_pickle=trust_pickle) as rb:
             for n in todo:
                 diffs.append(_compare(n, ta[n], tb[n], ra, rb, atol, rtol, scratch))
-                if callback:
-                    callback(ta[n].nbytes + tb[n].nbytes, 1)
+                meter.add(ta[n].nbytes + tb[n].nbytes, 1)
     finally:
-        close_bar()
+        meter.close()
 
     def desc(layout):
         return f"{layout.model_parallel_size}x{layout.shards_per_part} {'flat' if layout.flat else 'unflattened'}"

@@ -1,8 +1,11 @@
 """The ``metaseq-oneload`` command line: thin over the public API.
 
-Every subcommand prints a readable table, or one JSON object with ``--json``. Errors print
-one clear message and exit non-zero; ``--debug`` adds the traceback. Warnings go to
-stderr, so that stdout stays the report (or the JSON) alone.
+Every subcommand takes the checkpoint it reads as its first argument, PATH (verify: PATH
+and OTHER), and what it writes as DST; the flags mean the same wherever they appear
+(``--chunk-mb``, 64 by default, ``--dtype``, ``--overwrite``, ``--no-progress``). Every
+subcommand prints a readable table, or one JSON object with ``--json``. Errors print one
+clear message and exit non-zero; ``--debug`` adds the traceback. Warnings go to stderr, so
+that stdout stays the report (or the JSON) alone.
 
 Exit codes: 0 done (verify: the checkpoints match); 1 verify: they differ; 2 refused (a
 :class:`~metaseq_oneload.OneloadError`, a bad argument, a file the system would not let us
@@ -26,24 +29,14 @@ from ._errors import OneloadError, os_error_message, out_of_resources, resource_
 
 __all__ = ["main", "build_parser"]
 
-# name -> (run(args) -> int, one-line help, configure(parser) or None)
-_COMMANDS: Dict[str, Tuple[Callable, str, Optional[Callable]]] = {}
+# name -> (run(args) -> int, one-line help, configure(parser)); filled below the commands.
+_COMMANDS: Dict[str, Tuple[Callable, str, Callable]] = {}
 
 # The dtypes --dtype takes, for convert, consolidate and export-hf alike; the same names as
 # _convert's table of torch dtypes (a test keeps the two equal), spelled out here so that the
 # parser needs no torch.
 DTYPES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
 FORMATS = ("torch", "safetensors")
-
-
-def command(name: str, help: str) -> Callable:
-    """Register ``fn(args) -> int`` as a subcommand; ``fn.configure(parser)`` adds its flags."""
-
-    def wrap(fn):
-        _COMMANDS[name] = (fn, help, None)
-        return fn
-
-    return wrap
 
 
 def human_bytes(n: float) -> str:
@@ -109,6 +102,22 @@ def _progress(args) -> Optional[bool]:
     return False if (getattr(args, "no_progress", False) or args.json) else None
 
 
+# The source and destination arguments, worded once: the same in every subcommand.
+_PATH_HELP = "any file of the checkpoint, its folder, its un-suffixed name, or a glob"
+
+
+def _add_path(p: argparse.ArgumentParser, help: str = _PATH_HELP) -> None:
+    p.add_argument("path", metavar="PATH", help=help)
+
+
+def _add_chunk_mb(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--chunk-mb", type=float, default=64, help=f"{help} (default 64)")
+
+
+def _add_no_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+
 # --------------------------------------------------------------------------- inspect
 
 
@@ -167,7 +176,7 @@ def _inspect(args) -> int:
 
 
 def _configure_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a folder, any file of the set, the un-suffixed name, or a glob")
+    _add_path(p)
 
 
 # --------------------------------------------------------------------------- convert, consolidate
@@ -182,11 +191,11 @@ def _add_write_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=None, help="files written concurrently (default: CPUs)")
     p.add_argument("--memory-budget", default=None,
                    help="buffer memory of all jobs together, e.g. 512M, 2G (default 1G)")
-    p.add_argument("--chunk-mb", type=float, default=32, help="I/O chunk per read and write (default 32)")
+    _add_chunk_mb(p, "I/O chunk per read and write")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="cast the weights")
     p.add_argument("--qkv", choices=("auto", "fused", "split"), default="auto",
                    help="attention projections: metaseq's fused qkv_proj (auto) or split k/v/q_proj")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    _add_no_progress(p)
 
 
 def _write_kwargs(args) -> dict:
@@ -199,7 +208,7 @@ def _convert_table(r) -> str:
     layout = f"{r.model_parallel}x{r.shards} {'flat' if r.flat else 'unflattened'}"
     rows = [
         ["source", f"{r.src}  ({r.source})"],
-        ["target", f"{r.dst_prefix}  ({layout}, {r.format})"],
+        ["target", f"{r.dst}  ({layout}, {r.format})"],
         ["optimizer", r.optimizer],
         ["written", f"{len(r.files) + len(r.sidecars)} file(s), {human_bytes(r.bytes_written)} of tensors in "
                     f"{r.seconds:.2f} s ({r.jobs} job(s), {human_bytes(r.chunk_bytes)} chunks)"],
@@ -216,17 +225,18 @@ def _convert_table(r) -> str:
 
 
 def _convert(args) -> int:
-    from ._convert import convert
+    from . import convert
 
-    r = convert(args.src, args.dst_prefix, model_parallel=args.model_parallel, shards=args.shards,
+    r = convert(args.path, args.dst, model_parallel=args.model_parallel, shards=args.shards,
                 flat=args.flat, wrapping=args.wrapping, **_write_kwargs(args))
     print(json.dumps(r.to_dict(), indent=2) if args.json else _convert_table(r))
     return 0
 
 
 def _configure_convert(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
-    p.add_argument("dst_prefix", help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes)")
+    _add_path(p)
+    p.add_argument("dst", metavar="DST",
+                   help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes)")
     p.add_argument("--model-parallel", "-m", type=int, default=None, help="model-parallel parts (default: the source's)")
     p.add_argument("--shards", "-s", type=int, default=None, help="FSDP shards per part (default: the source's)")
     g = p.add_mutually_exclusive_group()
@@ -240,16 +250,16 @@ def _configure_convert(p: argparse.ArgumentParser) -> None:
 
 
 def _consolidate(args) -> int:
-    from ._convert import consolidate
+    from . import consolidate
 
-    r = consolidate(args.src, args.dst, **_write_kwargs(args))
+    r = consolidate(args.path, args.dst, **_write_kwargs(args))
     print(json.dumps(r.to_dict(), indent=2) if args.json else _convert_table(r))
     return 0
 
 
 def _configure_consolidate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="any file of the source checkpoint, its folder, or its un-suffixed name")
-    p.add_argument("dst", help="the output file, e.g. /out/consolidated.pt")
+    _add_path(p)
+    p.add_argument("dst", metavar="DST", help="the output file, e.g. /out/consolidated.pt")
     _add_write_options(p)
 
 
@@ -257,12 +267,12 @@ def _configure_consolidate(p: argparse.ArgumentParser) -> None:
 
 
 def _verify(args) -> int:
-    from ._loading import check_option
-    from ._verify import verify
+    from . import verify
+    from ._options import check_option
 
     check_option("top", args.top)
-    r = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, trust_pickle=args.trust_pickle,
-               progress=_progress(args))
+    r = verify(args.path, args.other, atol=args.atol, rtol=args.rtol, chunk_mb=args.chunk_mb,
+               trust_pickle=args.trust_pickle, progress=_progress(args))
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))
         return 0 if r.match else 1
@@ -293,12 +303,13 @@ def _verify(args) -> int:
 
 
 def _configure_verify(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a", help="a checkpoint (any layout)")
-    p.add_argument("b", help="another checkpoint (any layout)")
+    _add_path(p, "a checkpoint (any layout): " + _PATH_HELP)
+    p.add_argument("other", metavar="OTHER", help="the checkpoint to compare it with (any layout)")
     p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     p.add_argument("--top", type=int, default=10, help="how many of the largest differences to print")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    _add_chunk_mb(p, "MiB read and compared at a time from each checkpoint")
+    _add_no_progress(p)
 
 
 # --------------------------------------------------------------------------- export-hf
@@ -308,8 +319,8 @@ def _export_hf(args) -> int:
     import signal
     import threading
 
-    from ._convert import _DTYPES
-    from ._hf_export import export_hf
+    from . import export_hf
+    from ._convert import DTYPE_BY_NAME
 
     def on_term(signum, frame):  # unwind, so the temporary folder is removed
         raise SystemExit(128 + signum)
@@ -318,8 +329,8 @@ def _export_hf(args) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        result = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size,
-                           dtype=_DTYPES[args.dtype] if args.dtype else None, overwrite=args.overwrite,
+        result = export_hf(args.path, args.dst, max_shard_size=args.max_shard_size,
+                           dtype=DTYPE_BY_NAME[args.dtype] if args.dtype else None, overwrite=args.overwrite,
                            chunk_mb=args.chunk_mb, trust_pickle=args.trust_pickle, progress=_progress(args))
     finally:
         if previous is not None:
@@ -345,8 +356,9 @@ def _export_hf(args) -> int:
 
 
 def _configure_export_hf(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="any file of the metaseq checkpoint, its folder, un-suffixed name or a glob")
-    p.add_argument("dst", help="the Hugging Face folder to create (must not exist, unless --overwrite)")
+    _add_path(p, "the metaseq checkpoint: " + _PATH_HELP)
+    p.add_argument("dst", metavar="DST",
+                   help="the Hugging Face folder to create (must not exist, unless --overwrite)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file; above it, model-0000k-of-0000n.safetensors + index (default 5GB)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
@@ -354,8 +366,8 @@ def _configure_export_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing DST once the export is complete; only a folder an earlier export wrote "
                         "(config.json, model*.safetensors, the index) or an empty one")
-    p.add_argument("--chunk-mb", type=float, default=64, help="bytes read and written at a time (peak memory)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    _add_chunk_mb(p, "bytes read and written at a time (peak memory)")
+    _add_no_progress(p)
 
 
 # --------------------------------------------------------------------------- plan
@@ -363,6 +375,7 @@ def _configure_export_hf(p: argparse.ArgumentParser) -> None:
 
 def _plan_table(plan) -> str:
     dp = plan.world // plan.model_parallel
+    nodes = len({r.node for r in plan.ranks})
     saved = (f"{plan.kind}, saved {plan.saved_model_parallel}x{plan.saved_shards} "
              f"{'flat' if plan.saved_flat else 'unflattened'}")
     ratio = plan.bytes_read / plan.model_bytes if plan.model_bytes else 0.0
@@ -376,15 +389,18 @@ def _plan_table(plan) -> str:
                  + ("" if plan.storage_bytes >= plan.bytes_read else
                     f"; the storage serves {human_bytes(plan.storage_bytes)} "
                     f"({plan.storage_bytes / max(plan.model_bytes, 1):.2f}x), the node's page cache the rest")],
-        ["network", f"{human_bytes(plan.network_bytes)} between ranks"],
+        ["network", f"{human_bytes(plan.network_bytes)} between ranks"
+                    + (f", {human_bytes(sum(r.bytes_from_other_nodes for r in plan.ranks))} of it between nodes"
+                       if nodes > 1 else "")],
+        ["nodes", f"{nodes} ({len(plan.ranks) // max(nodes, 1)} rank(s) each)"],
         ["peak", f"{human_bytes(max(r.peak_bytes for r in plan.ranks))} on the busiest rank "
                  "(output + the strategy's buffers, docs/loading.md)"],
     ]
     shown = plan.ranks[:16]
     ranks = table([[r.rank, r.model_parallel_rank, r.data_parallel_rank, len(r.files), r.reads,
                     human_bytes(r.bytes_read), human_bytes(r.bytes_out), human_bytes(r.bytes_received),
-                    human_bytes(r.bytes_sent), human_bytes(r.peak_bytes)] for r in shown],
-                  header=["rank", "part", "dp", "files", "reads", "read", "out", "received", "sent", "peak"])
+                    human_bytes(r.bytes_sent), human_bytes(r.peak_bytes), r.node] for r in shown],
+                  header=["rank", "part", "dp", "files", "reads", "read", "out", "received", "sent", "peak", "node"])
     out = [table(rows), "", ranks]
     if len(plan.ranks) > len(shown):
         out.append(f"... and {len(plan.ranks) - len(shown)} more ranks (--json lists every one)")
@@ -392,13 +408,14 @@ def _plan_table(plan) -> str:
 
 
 def _plan(args) -> int:
-    from ._convert import _DTYPES
+    from ._convert import DTYPE_BY_NAME
     from ._loadplan import plan_load
 
-    plan = plan_load(args.path, world=args.world, model_parallel=args.model_parallel, flat=args.flat,
-                     strategy=args.strategy, bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb,
-                     dtype=_DTYPES[args.dtype] if args.dtype else None, trust_pickle=args.trust_pickle,
-                     wrapping=args.wrapping)
+    plan = plan_load(args.path, world=args.world, model_parallel=args.model_parallel, nodes=args.nodes,
+                     ranks_per_node=args.ranks_per_node, blind_nodes=tuple(args.blind_node or ()),
+                     storage=args.storage, flat=args.flat, strategy=args.strategy, bucket_mb=args.bucket_mb,
+                     chunk_mb=args.chunk_mb, dtype=DTYPE_BY_NAME[args.dtype] if args.dtype else None,
+                     trust_pickle=args.trust_pickle, wrapping=args.wrapping)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else _plan_table(plan))
     return 0
 
@@ -407,6 +424,15 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a folder, any file of the set, the un-suffixed name, or a glob")
     p.add_argument("--world", "-w", type=int, required=True, help="ranks in the job (all of them)")
     p.add_argument("--model-parallel", "-m", type=int, default=1, help="target model-parallel size (default 1)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes the world runs on (default 1)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="instead of --nodes: ranks on each node (consecutive ranks share one, as torchrun places them)")
+    p.add_argument("--blind-node", type=int, action="append", default=None, metavar="N",
+                   help="node N (from 0) cannot see the files: its ranks receive (repeat for several)")
+    p.add_argument("--storage", choices=("shared", "page_cache", "private"), default=None,
+                   help="what the files lie on: shared (network or object storage), page_cache (shared storage "
+                        "read through each node's page cache), private (each node's own copy on a local disk); "
+                        "default: as this machine sees them")
     p.add_argument("--flat", action="store_true", help="plan load_state_dict(flat=True): each rank its FSDP shard")
     p.add_argument("--wrapping", default=None,
                    help="with --flat on unflattened weights: a flat shard whose FSDP wrapping the model follows "
@@ -444,9 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (fn, help_text, configure) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        configure = configure or getattr(fn, "configure", None)
-        if configure is not None:
-            configure(p)
+        configure(p)
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         p.add_argument("--debug", action="store_true", help="print the traceback on errors")
         p.add_argument("--trust-pickle", action="store_true",
@@ -501,10 +525,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "metaseq-oneload, not a refusal of the input as far as it can tell: please report it with the "
               "traceback above.", file=sys.stderr)
         return 3
-
-
-def _load_commands() -> None:
-    """Kept for callers of the old registry: every command is declared above now."""
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ then the root) are the example's. The one change that matters is in ``setup_mode
 
     -  model = T5ForConditionalGeneration.from_pretrained(model_name)      # every rank: a full copy
     +  model = oneload.from_pretrained(T5ForConditionalGeneration, model_name,
-    +                                  fsdp=oneload.fully_shard_blocks(...))  # every rank: its shard
+    +                                  fsdp=oneload.hf.fully_shard_blocks(...))  # every rank: its shard
 
 so each rank builds the model on the meta device, shards it with FSDP2 while it is still
 empty, and receives only its shard: no rank ever holds the whole model in CPU memory.
@@ -39,7 +39,8 @@ from transformers.models.t5.modeling_t5 import T5Block
 
 import metaseq_oneload as oneload
 
-from metaseq_oneload import empty_model, fsdp1_param_init_fn, from_pretrained, fully_shard_blocks
+from metaseq_oneload import from_pretrained
+from metaseq_oneload.hf import empty_model, fsdp1_param_init_fn, fully_shard_blocks
 
 g_gigabyte = 1024**3
 

@@ -24,9 +24,9 @@ HINT = (
     "\n\nmetaseq-oneload: the primary config {name!r} is a structured config ({cls}) without an "
     "'oneload' field, and Hydra adds no keys to a structured config. Store it with the field once, "
     "before Hydra composes (e.g. next to your ConfigStore.store call):\n"
-    "    import metaseq_oneload\n"
-    "    metaseq_oneload.register_configs({cls}, {name!r})\n"
-    "(the same as ConfigStore.instance().store(name={name!r}, node=metaseq_oneload.extend_schema({cls}))).\n"
+    "    import metaseq_oneload.hydra\n"
+    "    metaseq_oneload.hydra.register_configs({cls}, {name!r})\n"
+    "(the same as ConfigStore.instance().store(name={name!r}, node=metaseq_oneload.hydra.extend_schema({cls}))).\n"
     "See docs/hydra.md, \"Key 'oneload' not in ...: structured primary configs\"."
 )
 

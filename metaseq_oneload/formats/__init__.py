@@ -27,7 +27,7 @@ from typing import Callable, Optional
 from .. import _storage
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError, reading
 from .._layout import CheckpointLayout
-from . import dcp, huggingface, metaseq, plain
+from . import _index, dcp, huggingface, metaseq, plain
 
 __all__ = ["Format", "FORMATS", "discover", "format_of", "to_wire", "adopt"]
 
@@ -125,8 +125,6 @@ def _as_given(layout: CheckpointLayout, path: str) -> CheckpointLayout:
 def to_wire(layout: CheckpointLayout, path: str) -> bytes:
     """(coordinator) What one rank sends the others instead of letting each discover: the
     layout (no header, no file digest) and where it lies relative to the path it was given."""
-    from . import _index
-
     d = _index.to_json(layout, identities=False)
     d["where"] = {"directory": layout.directory, "given": _given_folder(os.fspath(path)), "index": layout.index}
     return json.dumps(d, separators=(",", ":")).encode()
@@ -141,8 +139,6 @@ def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = Fal
         CheckpointNotFoundError: the files are not visible here.
         CheckpointLayoutError: they are, but differ from the sender's (then discover here).
     """
-    from . import _index
-
     d = json.loads(payload)
     where = d["where"]
     if _storage.is_url(where["directory"]) or _storage.is_url(os.fspath(path)):
@@ -168,8 +164,6 @@ def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = Fal
 def _adopt_url(d: dict, path, *, trust_pickle: bool) -> CheckpointLayout:
     """An object store shows every rank the same objects under one URL: the sender's layout
     is taken as it is (no request per file per rank), where this rank was given the same URL."""
-    from . import _index
-
     where = d["where"]
     if os.fspath(path) != where["given"] and _given_folder(os.fspath(path)) != where["given"]:
         raise CheckpointLayoutError(f"{path}: not the URL the coordinating rank was given ({where['given']}).")

@@ -19,7 +19,7 @@ and a plain hash of it anyone can recompute, so an index is used only when:
   is the sum of its extents';
 * each file has the recorded size, and its pickle bytes and record table (read from the zip
   directory and the pickle record, never unpickled) hash to what was recorded;
-* no conversion's commit to these names was cut short (``_writing.interrupted_commit``:
+* no conversion's commit to these names was cut short (``_outputs.interrupted_commit``:
   that is an error, not a fallback).
 
 Otherwise discovery reads the headers as it would without one, and says why in the layout's
@@ -28,6 +28,7 @@ warnings.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import json
@@ -41,14 +42,16 @@ from typing import Any, Mapping, Optional, Tuple
 import torch
 
 from .. import _storage
-from .. import _writing
+from .. import _outputs
 from .._errors import CheckpointLayoutError, ConversionError
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, FlatParam, ModelPart, StoredTensor
-from .._reading import Extent, _record_bytes, _stat_key, _zip_index
+from .._reading import Extent
+from .._zip import record_bytes, stat_key, zip_index
+from .._settings import INDEX, from_env, variable
 
 SUFFIX = ".oneload-index.json"
 VERSION = 2  # 2: signed with the user's key over every field (1: a plain hash of some)
-KEY_ENV = "METASEQ_ONELOAD_INDEX_KEY"
+KEY_ENV = variable("index_key")
 _KEY_BYTES = 32
 
 
@@ -70,13 +73,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def file_identity(path: str) -> dict:
     """(local) What an index records of one file, from its zip directory and the bytes of
     its pickle record (no unpickling): enough to tell a rewritten file from the one indexed."""
-    index = _zip_index(_stat_key(path))
+    index = zip_index(stat_key(path))
     fd = os.open(path, os.O_RDONLY)
     try:
         pkl = index.records.get("data.pkl")
         if pkl is None:
             raise CheckpointLayoutError(f"{path}: the archive holds no data.pkl record.")
-        digest = hashlib.sha256(_record_bytes(fd, pkl, path)).hexdigest()
+        digest = hashlib.sha256(record_bytes(fd, pkl, path)).hexdigest()
     finally:
         os.close(fd)
     table = sorted((r.name, r.data_offset, r.size, r.method) for r in index.records.values())
@@ -140,7 +143,7 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identiti
 def key_path() -> str:
     """Where this user's index key lives: ``$METASEQ_ONELOAD_INDEX_KEY``, else
     ``$XDG_CACHE_HOME/metaseq_oneload/index-key`` (``~/.cache`` by default)."""
-    explicit = os.environ.get(KEY_ENV, "").strip()
+    explicit = from_env(only=INDEX).index_key
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
     cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
@@ -249,13 +252,11 @@ def _confinement_problem(d: Mapping, directory: str) -> Optional[str]:
 def _extent_problem(d: Mapping, directory: str) -> Optional[str]:
     """Why an extent of an index is not inside one stored tensor record of its file (as the
     archive parser that reads the file finds its records), or None."""
-    import bisect
-
     spans: dict = {}
     for row in d["files"]:
         for f in row:
             if f["format"] == "zip":
-                index = _zip_index(_stat_key(os.path.join(directory, f["name"])))
+                index = zip_index(stat_key(os.path.join(directory, f["name"])))
                 recs = sorted((r.data_offset, r.data_offset + r.size) for r in index.records.values()
                               if r.name.startswith("data/") and r.stored)
                 spans[f["name"]] = ([a for a, _ in recs], [b for _, b in recs])
@@ -323,7 +324,7 @@ def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False, index: 
 
 def write(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> str:
     """(local) Write the index of a freshly written set beside it, signed with this user's
-    key (created on first use), all at once (:func:`_writing.replace_file`: an exclusively
+    key (created on first use), all at once (:func:`_outputs.replace_file`: an exclusively
     created temporary name, then a rename; nothing left behind on failure).
 
     Raises:
@@ -336,7 +337,7 @@ def write(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> str:
                               "file path you can write to have indexes.")
     d = json.loads(json.dumps(to_json(layout, save_id=save_id)))  # what a reader will parse, signed as such
     d["digest"] = _digest(d, key)
-    _writing.replace_file(path, json.dumps(d, separators=(",", ":")).encode(), what="index")
+    _outputs.replace_file(path, json.dumps(d, separators=(",", ":")).encode(), what="index")
     return path
 
 
@@ -351,7 +352,7 @@ def load(directory: str, prefix: str, grid: list, *, trust_pickle: bool = False)
     path = index_path(directory, prefix)
     if _storage.is_url(path):  # remote sets: headers (ranged reads)
         return None, ""
-    cut = _writing.interrupted_commit(directory, prefix)
+    cut = _outputs.interrupted_commit(directory, prefix)
     if cut:
         raise CheckpointLayoutError(cut)
     if not os.path.lexists(path):

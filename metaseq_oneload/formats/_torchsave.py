@@ -1,13 +1,9 @@
 """The machinery every ``torch.save`` family shares: the ``.pt`` file-name grammar's sets,
-pointers and links, the pickled headers, and model parts built from their tensors.
+pointers and links, and the pickled headers. Model parts are built from those headers in
+:mod:`._parts`.
 
 The family modules (:mod:`.metaseq`, :mod:`.plain`) add what only they know (what a
 ``cfg`` means, which writer a file came from); nothing here interprets a ``cfg``.
-
-The tensors are believed first: a part is flat only when its files hold the flat parameters
-their ``shard_metadata``/``fsdp_metadata`` lists; unflattened weights that still carry the
-metadata of the FSDP run they came from (metaseq's ``reshard_fsdp --unflatten-weights``, the
-OPT release layout) are unflattened weights, and the metadata is reported as stale.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ import concurrent.futures
 import contextlib
 import errno
 import glob
-import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -27,19 +22,22 @@ import torch
 from .. import _storage
 from .._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OutOfResourcesError,
                        cap_list as _cap, os_error_message)
-from .._layout import CheckpointFile, FileName, FlatParam, ModelPart, StoredTensor, _omegaconf_types
-from .._reading import (NOT_TORCH_IN_A_SET, Extent, _file_kind, key_path, range_readable, read_header,
-                        storage_byte_offset)
+from .._layout import CheckpointFile, FileName, omegaconf_types
+from .._reading import Extent, key_path, range_readable, read_header, storage_byte_offset
+from .._zip import NOT_TORCH_IN_A_SET, file_kind
+from . import _index
+
+__all__ = ["TRAINING_KEYS", "FileSet", "TorchSet", "scan", "resolve_links", "resolve_grid", "skipped_note", "read_set",
+           "alone_if_one", "container", "model_dict", "model_key", "direct_extent", "file_format", "check_tensor"]
 
 _POINTER_MAX_BYTES = 4096
 _MAX_POINTER_HOPS = 40
-# Buffers that metaseq/fairseq models register; everything else in an unflattened state
-# dict is a parameter as far as the parameter count is concerned.
-_BUFFER_SUFFIXES = (".version", "._float_tensor")
 # Where torch.save'd training checkpoints keep the model's state dict: metaseq/fairseq
 # ("model"), Lightning ("state_dict"), the PyTorch tutorials ("model_state_dict"), DeepSpeed
 # ("module"). A bare state dict is its own container.
 _CONTAINERS = ("model", "state_dict", "model_state_dict", "module")
+# Keys only metaseq/fairseq training checkpoints carry.
+TRAINING_KEYS = ("cfg", "args", "optimizer_history", "shard_metadata", "fsdp_metadata", "extra_state")
 
 
 # --------------------------------------------------------------------------- pointers
@@ -63,7 +61,7 @@ def _read_pointer(path: str) -> Optional[str]:
     return text
 
 
-def _resolve(path: str) -> str:
+def resolve_links(path: str) -> str:
     """Follow symlinks and text pointers to the real file; raise on loops and dangling
     links."""
     if _storage.is_url(path):
@@ -159,7 +157,7 @@ class _Entry:
         return (os.path.dirname(self.real), rn.prefix if rn else os.path.basename(self.real))
 
 
-def _scan(directory: str, problems: Optional[list] = None) -> list:
+def scan(directory: str, problems: Optional[list] = None) -> list:
     """The folder's *.pt entries, resolved. A broken link is skipped here (and noted in
     ``problems``): if it belonged to the set the user asked for, the grid check names the
     missing file instead."""
@@ -181,7 +179,7 @@ def _scan(directory: str, problems: Optional[list] = None) -> list:
         if parsed is None or _storage.isdir(full):
             continue
         try:
-            entries.append(_Entry(n, parsed, _resolve(full)))
+            entries.append(_Entry(n, parsed, resolve_links(full)))
         except CheckpointLayoutError as e:
             if problems is not None:
                 problems.append(str(e))
@@ -192,7 +190,9 @@ def _scan(directory: str, problems: Optional[list] = None) -> list:
 
 
 @dataclass(frozen=True)
-class _FileSet:
+
+
+class FileSet:
     directory: str
     prefix: str
     members: tuple  # real paths
@@ -201,7 +201,7 @@ class _FileSet:
     skipped: tuple = ()
 
 
-def _set_from(key: tuple, entries: Iterable) -> _FileSet:
+def _set_from(key: tuple, entries: Iterable) -> FileSet:
     directory, prefix = key
     members, aliases = set(), set()
     for e in entries:
@@ -213,19 +213,18 @@ def _set_from(key: tuple, entries: Iterable) -> _FileSet:
     # Real files of the set that no scanned entry named (e.g. the entry was a link from
     # another folder): take them from the target folder itself.
     if directory:
-        for e in _scan(directory):
+        for e in scan(directory):
             if e.set_key == key:
                 members.add(e.real)
                 if os.path.join(directory, e.name) != e.real:
                     aliases.add(e.name)
-    return _FileSet(directory, prefix, tuple(sorted(members)), tuple(sorted(aliases)))
+    return FileSet(directory, prefix, tuple(sorted(members)), tuple(sorted(aliases)))
 
 
 # FasterTransformer's converters write one raw array per tensor (and tensor-parallel rank),
 # model.<name>.bin, beside a config.ini: no pickle, no dtype, nothing a loader could map.
 _FT_WEIGHT_RE = re.compile(r"^model\..+\.bin$")
 _PARAM_LEAVES = ("weight", "bias")
-_TRAINING_KEYS = ("cfg", "args", "optimizer_history", "shard_metadata", "fsdp_metadata", "extra_state")
 
 
 def _fastertransformer_files(directory: str) -> list:
@@ -251,10 +250,10 @@ def _why_not_a_model(obj: Any) -> Optional[str]:
     parameter-like name (``decoder.layers.0.fc1.weight``, ``weight``)."""
     if not isinstance(obj, Mapping):
         return f"holds a {type(obj).__name__}, not a state dict"
-    key = _container(obj)
+    key = container(obj)
     if key:
         return None
-    if key is None and any(k in obj for k in _CONTAINERS + _TRAINING_KEYS):
+    if key is None and any(k in obj for k in _CONTAINERS + TRAINING_KEYS):
         return None  # a training checkpoint, maybe damaged: reading the set says what is wrong with it
     keys = [str(k) for k in obj.keys()]
     tensors = [k for k, v in obj.items() if torch.is_tensor(v)]
@@ -268,7 +267,7 @@ def _why_not_a_model(obj: Any) -> Optional[str]:
             "decoder.layers.0.fc1.weight, so not a model's weights")
 
 
-def _kind_of_set(fs: _FileSet) -> tuple:
+def _kind_of_set(fs: FileSet) -> tuple:
     """("model", None), ("other", why) for a readable file that holds no model's weights, or
     ("unreadable", None) / ("unknown", None) where its header cannot be read here (damaged, or
     a pickle the allowlist refuses: reading the set says which, under trust_pickle too)."""
@@ -282,116 +281,134 @@ def _kind_of_set(fs: _FileSet) -> tuple:
     return ("model", None) if why is None else ("other", why)
 
 
-def skipped_note(fs: _FileSet) -> tuple:
+def skipped_note(fs: FileSet) -> tuple:
     """The notes saying what the folder held beside ``fs`` and why it was skipped."""
     return tuple(f"skipped {s}" for s in fs.skipped)
 
 
-def _describe_sets(sets: Sequence[_FileSet]) -> str:
+def _describe_sets(sets: Sequence[FileSet]) -> str:
     return ", ".join(f"{s.prefix} ({len(s.members)} file{'s' * (len(s.members) != 1)})" for s in sets)
 
 
-def _resolve_set(path: str) -> _FileSet:
+def _resolve_set(path: str) -> FileSet:
+    """(local) The one set of files ``path`` names: a glob, a folder, a file (or a link or
+    pointer to one), or the un-suffixed name of a set."""
     path = os.fspath(path)
     if glob.has_magic(path):
-        matches = [m for m in sorted(_storage.glob(path)) if not _storage.isdir(m)]
-        if not matches:
-            raise CheckpointNotFoundError(f"{path}: the pattern matches no files.")
-        entries = [_Entry(os.path.basename(m), FileName.parse(os.path.basename(m)) or FileName(m), _resolve(m))
-                   for m in matches]
-        keys = sorted({e.set_key for e in entries})
+        return _set_of_glob(path)
+    if _storage.isdir(path):
+        return _set_of_folder(path)
+    if _storage.lexists(path):
+        return _set_of_file(path)
+    return _set_of_prefix(path)
+
+
+def _set_of_file(path: str) -> FileSet:
+    real = resolve_links(path)
+    if _storage.isdir(real):
+        return _resolve_set(real)
+    entry = _Entry(os.path.basename(path), FileName.parse(os.path.basename(path)) or FileName(path), real)
+    if entry.real_name is None:
+        raise CheckpointLayoutError(
+            f"{path}: not a checkpoint file name: expected a name ending in .pt "
+            "(X.pt, X-model_part-M.pt, X-model_part-M-shardD.pt, X-shardD.pt, X_partK.pt)."
+        )
+    return _set_from(entry.set_key, [entry])
+
+
+def _set_of_glob(path: str) -> FileSet:
+    matches = [m for m in sorted(_storage.glob(path)) if not _storage.isdir(m)]
+    if not matches:
+        raise CheckpointNotFoundError(f"{path}: the pattern matches no files.")
+    entries = [_Entry(os.path.basename(m), FileName.parse(os.path.basename(m)) or FileName(m), resolve_links(m))
+               for m in matches]
+    keys = sorted({e.set_key for e in entries})
+    if len(keys) > 1:
+        raise CheckpointLayoutError(
+            f"{path}: the pattern matches files of {len(keys)} different checkpoints "
+            f"({', '.join(os.path.join(*k) for k in keys)}); narrow it to one."
+        )
+    return _set_from(keys[0], entries)
+
+
+def _set_of_folder(path: str) -> FileSet:
+    problems: list = []
+    entries = scan(path, problems)
+    if not entries and problems:
+        # Links whose targets are not here: on a rank where a mount is missing this is "not
+        # visible" (the others can send the weights), so not-found, with the true reason.
+        raise CheckpointNotFoundError(
+            f"{path}: the folder holds {len(problems)} *.pt entr{'y' if len(problems) == 1 else 'ies'} "
+            f"but none can be read: {_cap(problems, 3, fmt=lambda m: m.rstrip('.'), sep='; ')}."
+        )
+    foreign = _fastertransformer_files(path)
+    if not entries and foreign:
+        raise CheckpointLayoutError(
+            f"{path}: the folder holds no *.pt files, only {_fastertransformer_note(foreign)}. Expected a "
+            "checkpoint such as checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
+        )
+    if not entries:
+        # Not "damaged": an empty folder is what a rank sees where a mount is missing.
+        raise CheckpointNotFoundError(
+            f"{path}: the folder holds no *.pt files; expected a checkpoint such as "
+            "checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
+        )
+    by_key: dict = {}
+    for e in entries:
+        by_key.setdefault(e.set_key, []).append(e)
+    last = [e for e in entries if e.parsed.prefix == "checkpoint_last"]
+    if last:
+        keys = sorted({e.set_key for e in last})
         if len(keys) > 1:
             raise CheckpointLayoutError(
-                f"{path}: the pattern matches files of {len(keys)} different checkpoints "
-                f"({', '.join(os.path.join(*k) for k in keys)}); narrow it to one."
+                f"{path}: the checkpoint_last files point to {len(keys)} different checkpoints "
+                f"({', '.join(k[1] for k in keys)}); fix the links."
             )
         return _set_from(keys[0], entries)
+    return _one_of(path, [_set_from(k, v) for k, v in sorted(by_key.items())], foreign)
 
-    if _storage.isdir(path):
-        problems: list = []
-        entries = _scan(path, problems)
-        if not entries and problems:
-            # Links whose targets are not here: on a rank where a mount is missing this is "not
-            # visible" (the others can send the weights), so not-found, with the true reason.
-            raise CheckpointNotFoundError(
-                f"{path}: the folder holds {len(problems)} *.pt entr{'y' if len(problems) == 1 else 'ies'} "
-                f"but none can be read: {_cap(problems, 3, fmt=lambda m: m.rstrip('.'), sep='; ')}."
-            )
-        foreign = _fastertransformer_files(path)
-        if not entries and foreign:
-            raise CheckpointLayoutError(
-                f"{path}: the folder holds no *.pt files, only {_fastertransformer_note(foreign)}. Expected a "
-                "checkpoint such as checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
-            )
-        if not entries:
-            # Not "damaged": an empty folder is what a rank sees where a mount is missing.
-            raise CheckpointNotFoundError(
-                f"{path}: the folder holds no *.pt files; expected a checkpoint such as "
-                "checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt."
-            )
-        by_key: dict = {}
-        for e in entries:
-            by_key.setdefault(e.set_key, []).append(e)
-        last = [e for e in entries if e.parsed.prefix == "checkpoint_last"]
-        if last:
-            keys = sorted({e.set_key for e in last})
-            if len(keys) > 1:
-                raise CheckpointLayoutError(
-                    f"{path}: the checkpoint_last files point to {len(keys)} different checkpoints "
-                    f"({', '.join(k[1] for k in keys)}); fix the links."
-                )
-            return _set_from(keys[0], entries)
-        sets = [_set_from(k, v) for k, v in sorted(by_key.items())]
-        from . import _index  # (the index's own module reads this one's names)
 
-        # A lone set with our index beside it is ours: not unpickled just to be sure.
-        lone_ours = (len(sets) == 1 and not foreign
-                     and _storage.lexists(_index.index_path(sets[0].directory, sets[0].prefix)))
-        kinds = [("model", None) if lone_ours else _kind_of_set(s) for s in sets]
-        skipped = [f"{os.path.basename(s.members[0])}"
-                   + (f" and {len(s.members) - 1} more file(s) of {s.prefix}" if len(s.members) > 1 else "")
-                   + f" ({why})" for s, (kind, why) in zip(sets, kinds) if kind == "other"]
-        if foreign:
-            skipped.append(_fastertransformer_note(foreign))
-        # Damaged files stay candidates only where nothing else is: reading them says what they are.
-        candidates = ([s for s, (kind, _) in zip(sets, kinds) if kind in ("model", "unknown")]
-                      or [s for s, (kind, _) in zip(sets, kinds) if kind == "unreadable"])
-        if len(candidates) == 1:
-            return replace(candidates[0], skipped=tuple(skipped))
-        if not candidates:
-            raise CheckpointLayoutError(
-                f"{path}: the folder holds no checkpoint; skipped {'; '.join(skipped)}. Expected a checkpoint "
-                "such as checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt: pass its folder or one of "
-                "its files."
-            )
+def _one_of(path: str, sets: Sequence[FileSet], foreign: Sequence[str]) -> FileSet:
+    """The one checkpoint among a folder's sets: what is not a model's weights is skipped
+    (and noted), several checkpoints are an error naming them."""
+    # A lone set with our index beside it is ours: not unpickled just to be sure.
+    lone_ours = (len(sets) == 1 and not foreign
+                 and _storage.lexists(_index.index_path(sets[0].directory, sets[0].prefix)))
+    kinds = [("model", None) if lone_ours else _kind_of_set(s) for s in sets]
+    skipped = [f"{os.path.basename(s.members[0])}"
+               + (f" and {len(s.members) - 1} more file(s) of {s.prefix}" if len(s.members) > 1 else "")
+               + f" ({why})" for s, (kind, why) in zip(sets, kinds) if kind == "other"]
+    if foreign:
+        skipped.append(_fastertransformer_note(foreign))
+    # Damaged files stay candidates only where nothing else is: reading them says what they are.
+    candidates = ([s for s, (kind, _) in zip(sets, kinds) if kind in ("model", "unknown")]
+                  or [s for s, (kind, _) in zip(sets, kinds) if kind == "unreadable"])
+    if len(candidates) == 1:
+        return replace(candidates[0], skipped=tuple(skipped))
+    if not candidates:
         raise CheckpointLayoutError(
-            f"{path}: the folder holds {len(candidates)} checkpoints and no checkpoint_last: "
-            f"{_describe_sets(candidates)}. Choose one by passing its name, e.g. "
-            f"{os.path.join(path, candidates[-1].prefix + '.pt')}."
-            + (f" (Not checkpoints, so skipped {'; '.join(skipped)}.)" if skipped else "")
+            f"{path}: the folder holds no checkpoint; skipped {'; '.join(skipped)}. Expected a checkpoint "
+            "such as checkpoint_last.pt or checkpoint_N-model_part-0-shard0.pt: pass its folder or one of "
+            "its files."
         )
+    raise CheckpointLayoutError(
+        f"{path}: the folder holds {len(candidates)} checkpoints and no checkpoint_last: "
+        f"{_describe_sets(candidates)}. Choose one by passing its name, e.g. "
+        f"{os.path.join(path, candidates[-1].prefix + '.pt')}."
+        + (f" (Not checkpoints, so skipped {'; '.join(skipped)}.)" if skipped else "")
+    )
 
-    if _storage.lexists(path):
-        real = _resolve(path)
-        if _storage.isdir(real):
-            return _resolve_set(real)
-        entry = _Entry(os.path.basename(path), FileName.parse(os.path.basename(path)) or FileName(path), real)
-        if entry.real_name is None:
-            raise CheckpointLayoutError(
-                f"{path}: not a checkpoint file name: expected a name ending in .pt "
-                "(X.pt, X-model_part-M.pt, X-model_part-M-shardD.pt, X-shardD.pt, X_partK.pt)."
-            )
-        return _set_from(entry.set_key, [entry])
 
-    # The un-suffixed name metaseq scripts take: X.pt where only X-model_part-*.pt,
-    # X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt);
-    # or the bare prefix X, as convert's destination and inspect's "checkpoint" show it.
+def _set_of_prefix(path: str) -> FileSet:
+    """The un-suffixed name metaseq scripts take: X.pt where only X-model_part-*.pt,
+    X-shard*.pt or X_part*.pt exist (checkpoint_last.pt, reshard.pt, checkpoint_2.pt); or the
+    bare prefix X, as convert's destination and inspect's "checkpoint" show it."""
     directory, base = os.path.split(path)
     directory = directory or "."
     if not base or not _storage.isdir(directory):
         raise CheckpointNotFoundError(f"{path}: no such file or folder.")
     stem = base[:-3] if base.endswith(".pt") else base
-    entries = [e for e in _scan(directory) if e.parsed.prefix == stem]
+    entries = [e for e in scan(directory) if e.parsed.prefix == stem]
     if not entries:
         raise CheckpointNotFoundError(
             f"{path}: no such file{'' if base.endswith('.pt') else ' or folder'}, and no "
@@ -411,15 +428,15 @@ def _resolve_set(path: str) -> _FileSet:
 # --------------------------------------------------------------------------- headers
 
 
-def _container(obj: Any) -> Optional[str]:
+def container(obj: Any) -> Optional[str]:
     """The key under which ``obj`` keeps its model state dict, "" for a bare state dict, or
     None if it holds none. An OmegaConf container is never one (its ``get`` and ``values``
     resolve the interpolations the file chose; ``read_header`` refuses such a header)."""
-    if not isinstance(obj, Mapping) or isinstance(obj, _omegaconf_types()):
+    if not isinstance(obj, Mapping) or isinstance(obj, omegaconf_types()):
         return None
     for key in _CONTAINERS:
         model = obj.get(key)
-        if isinstance(model, Mapping) and not isinstance(model, _omegaconf_types()) and model \
+        if isinstance(model, Mapping) and not isinstance(model, omegaconf_types()) and model \
                 and all(isinstance(k, str) for k in model) \
                 and all(torch.is_tensor(v) for v in model.values()):
             return key
@@ -428,23 +445,18 @@ def _container(obj: Any) -> Optional[str]:
     return None
 
 
-def _model_dict(obj: Any) -> Optional[Mapping]:
+def model_dict(obj: Any) -> Optional[Mapping]:
     """The model state dict inside a checkpoint object, or None if it has none."""
-    key = _container(obj)
+    key = container(obj)
     if key is None:
         return None
     return obj[key] if key else obj
 
-def _model_key(obj: Mapping, name: str) -> str:
-    key = _container(obj)
+
+def model_key(obj: Mapping, name: str) -> str:
+    key = container(obj)
     return key_path(key, name) if key else key_path(name)
 
-def _flat_metadata(header: Mapping) -> tuple:
-    for key in ("shard_metadata", "fsdp_metadata"):
-        md = header.get(key)
-        if isinstance(md, Mapping) and "param_metadata" in md:
-            return key, md
-    return None, None
 
 def _contiguous(t: torch.Tensor) -> bool:
     expected, stride = 1, []
@@ -453,23 +465,27 @@ def _contiguous(t: torch.Tensor) -> bool:
         expected *= s
     return t.dim() == 0 or all(st == ex or sz == 1 for st, ex, sz in zip(t.stride(), reversed(stride), t.shape))
 
-def _direct_extent(path: str, fmt: str, obj: Mapping, name: str, t: torch.Tensor) -> Extent:
-    _check_tensor(path, fmt, name, t)
-    offset = storage_byte_offset(t) if fmt == "zip" and _contiguous(t) else None
-    return Extent(path, _model_key(obj, name), 0, t.numel(), offset)
 
-def _format(path: str) -> str:
+def direct_extent(path: str, fmt: str, obj: Mapping, name: str, t: torch.Tensor) -> Extent:
+    check_tensor(path, fmt, name, t)
+    offset = storage_byte_offset(t) if fmt == "zip" and _contiguous(t) else None
+    return Extent(path, model_key(obj, name), 0, t.numel(), offset)
+
+
+def file_format(path: str) -> str:
     """"zip" when tensors can be read in place, "zip-packed" for a zip whose records are
     compressed or big-endian, "legacy" for torch's pre-1.6 format (both read whole)."""
-    kind = _file_kind(path)
+    kind = file_kind(path)
     if kind == "zip" and not range_readable(path):
         return "zip-packed"
     return kind
 
+
 def _fmt_list(xs: Sequence[int], n: int = 20) -> str:
     return ",".join(str(x) for x in xs[:n]) + (f",... ({len(xs) - n} more)" if len(xs) > n else "")
 
-def _check_grid(fs: _FileSet) -> tuple:
+
+def _check_grid(fs: FileSet) -> tuple:
     """Parse member names into a [part][shard] grid; raise on mixed or missing files."""
     parsed = {p: FileName.parse(os.path.basename(p)) for p in fs.members}
     patterns = {n.pattern for n in parsed.values()}
@@ -511,275 +527,17 @@ def _read_headers(paths: Sequence[str]) -> dict:
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
         return dict(zip(paths, pool.map(read_header, paths)))
 
-_FLAT_NAME_RE = re.compile(r"(?:^|\.)flat_param(?:_\d+)?$")
-# Lists in messages are capped: a folder or cfg that claims a million shards must not make
-# a 100 MB error message.
-
-def _metadata_structure(md: Mapping) -> list:
-    """(fsdp_path, flat name, member names, shapes, numels) per flat parameter."""
-    return [(pm.get("fsdp_path", "") or "", k, list(v["names"]), [tuple(s) for s in v["shapes"]], list(v["numels"]))
-            for pm in md["param_metadata"] for k, v in pm["params"].items()]
-
-def _joined(fsdp_path: str, name: str) -> str:
-    return f"{fsdp_path}.{name}" if fsdp_path else name
-
-def _flat_reading(index: int, files: Sequence[CheckpointFile], headers: Mapping) -> tuple:
-    """Which reading of one model part's files the tensors support: ("flat", key) when the
-    files hold the flat parameters their metadata lists, ("unflattened", key-or-None) when
-    they hold ordinary tensors (any metadata beside them is stale), or raise when no
-    reading is consistent."""
-    label = lambda f: os.path.basename(f.path)  # noqa: E731
-    models = [_model_dict(headers[f.path]) for f in files]
-    metas = [_flat_metadata(headers[f.path]) for f in files]
-    flat_like = [sorted(n for n in m if _FLAT_NAME_RE.search(n)) for m in models]
-    declared = []
-    for key, md in metas:
-        declared.append(None if md is None else [_joined(p, k) for p, k, *_ in _metadata_structure(md)])
-    holds_flat = []
-    for f, model, names, flat in zip(files, models, declared, flat_like):
-        present = [k for k in (names or ()) if k in model]
-        if names and present and len(present) != len(names):
-            missing = [k for k in names if k not in model]
-            raise CheckpointLayoutError(
-                f"{f.path}: its shard_metadata lists flat parameters {_cap(names)} but the file holds only "
-                f"{_cap(present)} of them (missing {_cap(missing)}): neither a flat FSDP shard nor an "
-                "unflattened file. The file was edited or damaged; copy it again from its source."
-            )
-        holds_flat.append(bool(present) or (bool(flat) and names is None))
-    if any(holds_flat) and not all(holds_flat):
-        flat_files = [label(f) for f, h in zip(files, holds_flat) if h]
-        other = [label(f) for f, h in zip(files, holds_flat) if not h]
-        raise CheckpointLayoutError(
-            f"model part {index}: {_cap(flat_files)} hold flat FSDP parameters but {_cap(other)} hold "
-            "unflattened weights: files of different saves or writers are mixed in one set. Keep only "
-            "the files written by one save."
-        )
-    if all(holds_flat):
-        no_md = [label(f) for f, (k, _) in zip(files, metas) if k is None]
-        if no_md:
-            raise CheckpointLayoutError(
-                f"{files[0].path}: {_cap(no_md)} hold{'s' * (len(no_md) == 1)} flat FSDP parameters "
-                f"({_cap(flat_like[0])}) but no shard_metadata or fsdp_metadata, so how they unflatten "
-                "cannot be known. Expected FSDP local_state_dict shards saved with their shard_metadata "
-                "(use_sharded_state); re-save them, or consolidate them with the tool that wrote them."
-            )
-        keys = {k for k, _ in metas}
-        if len(keys) > 1:
-            raise CheckpointLayoutError(
-                f"model part {index}: some shards carry shard_metadata and some fsdp_metadata: files of "
-                "different writers are mixed. Keep only the files written by one save."
-            )
-        return "flat", keys.pop()
-    if len(files) > 1:
-        raise CheckpointLayoutError(
-            f"{files[0].path}: {len(files)} files are named as FSDP shards of model part {index} "
-            f"({label(files[0])} .. {label(files[-1])}) but each holds unflattened weights, so how they "
-            "split the model cannot be known (copies of one file?). Expected flat FSDP shards with "
-            "shard_metadata; keep one file, or pass the one you mean."
-        )
-    return "unflattened", metas[0][0]
-
-def _build_part(index: int, files: Sequence[CheckpointFile], headers: Mapping, stale: list) -> tuple:
-    """One model part from its files' tensors; returns (part, metadata key or None).
-
-    Appends ``(metadata key, warning)`` to ``stale`` for metadata that does not describe the
-    tensors."""
-    label = lambda f: os.path.basename(f.path)  # noqa: E731
-    first = headers[files[0].path]
-    model0 = _model_dict(first)
-    reading, metadata_key = _flat_reading(index, files, headers)
-    tensors: dict = {}
-    if reading == "unflattened":
-        for name, t in model0.items():
-            tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
-                                         (_direct_extent(files[0].path, files[0].format, first, name, t),))
-        buffers = tuple(n for n in tensors if n.endswith(_BUFFER_SUFFIXES))
-        shared: list = []
-        if metadata_key is not None:
-            md = first[metadata_key]
-            stale.append((metadata_key, _stale_metadata_note(files[0], metadata_key, md, model0)))
-            # Ties the metadata records still hold where the tensors agree: the writer dropped
-            # the alias (reshard_fsdp --unflatten-weights does) but the model expects it.
-            for pm in md["param_metadata"]:
-                fsdp_path = pm.get("fsdp_path", "") or ""
-                for pair in pm.get("shared_param_info", ()) or ():
-                    src, dst = _joined(fsdp_path, pair[0]), _joined(fsdp_path, pair[1])
-                    if src in tensors and (dst not in tensors or tensors[dst].shape == tensors[src].shape):
-                        shared.append((src, dst))
-            buffers = tuple(dict.fromkeys(buffers + tuple(
-                n for n in (md.get("buffer_names", ()) or ()) if n in tensors)))
-        return ModelPart(index, tensors, (), buffers, tuple(shared)), None
-
-    metas = [headers[f.path][metadata_key] for f in files]
-    models = [_model_dict(headers[f.path]) for f in files]
-    ref = _metadata_structure(metas[0])
-    for f, md, model in zip(files, metas, models):
-        if _metadata_structure(md) != ref:
-            raise CheckpointLayoutError(
-                f"{f.path}: its {metadata_key} differs from {label(files[0])}'s (other parameter "
-                "names, shapes or grouping): shards of different checkpoints are mixed in one set. "
-                "Keep only the shards written by one save."
-            )
-        if set(model) != set(models[0]):
-            raise CheckpointLayoutError(
-                f"{f.path}: holds tensors {_cap(sorted(set(model) ^ set(models[0])))} that "
-                f"{label(files[0])} does not (or the reverse): shards of different checkpoints are mixed."
-            )
-        for name, t in model.items():
-            t0 = models[0][name]
-            if t.dtype != t0.dtype:
-                raise CheckpointLayoutError(
-                    f"{f.path}: {name} is stored as {str(t.dtype).replace('torch.', '')} but "
-                    f"{label(files[0])} stores it as {str(t0.dtype).replace('torch.', '')}: every shard "
-                    "of one save has one dtype per tensor, so shards of different saves (or a shard "
-                    "converted on its own) are mixed. Keep only the files written by one save, or "
-                    "convert all of them."
-                )
-
-    flat_params = []
-    flat_keys = set()
-    for pm in metas[0]["param_metadata"]:
-        fsdp_path = pm.get("fsdp_path", "") or ""
-        for flat_name, v in pm["params"].items():
-            key = _joined(fsdp_path, flat_name)
-            flat_keys.add(key)
-            shard_numels, paddings = [], []
-            for f, md, model in zip(files, metas, models):
-                if model[key].dim() != 1:
-                    raise CheckpointLayoutError(
-                        f"{f.path}: flat parameter {key} has shape {tuple(model[key].shape)}; FSDP flat "
-                        "parameters are 1-D. The file was edited or damaged."
-                    )
-                padding = next(p["params"][flat_name].get("padding", 0) for p in md["param_metadata"]
-                               if (p.get("fsdp_path", "") or "") == fsdp_path)
-                shard_numels.append(model[key].numel())
-                paddings.append(int(padding or 0))
-            names = tuple(_joined(fsdp_path, n) for n in v["names"])
-            fp = FlatParam(key, fsdp_path, names, tuple(tuple(int(x) for x in s) for s in v["shapes"]),
-                           tuple(int(x) for x in v["numels"]), tuple(shard_numels), tuple(paddings),
-                           models[0][key].dtype)
-            bad = [(n, s, k) for n, s, k in zip(fp.names, fp.shapes, fp.numels) if math.prod(s) != k]
-            if bad or not len(fp.names) == len(fp.shapes) == len(fp.numels):
-                raise CheckpointLayoutError(
-                    f"{files[0].path}: {metadata_key} of {key} is inconsistent: "
-                    + (f"{bad[0][0]} has shape {bad[0][1]} but numel {bad[0][2]}" if bad else
-                       f"{len(fp.names)} names, {len(fp.shapes)} shapes, {len(fp.numels)} numels")
-                    + ". The metadata was edited or damaged."
-                )
-            _check_flat(fp, files)
-            flat_params.append(fp)
-            tensors.update(_unflatten(fp, index, files, headers))
-    buffer_names = tuple(metas[0].get("buffer_names", ()) or ())
-    for name, t in model0.items():
-        if name not in flat_keys:
-            tensors[name] = StoredTensor(name, index, t.dtype, tuple(t.shape),
-                                         (_direct_extent(files[0].path, files[0].format, first, name, t),))
-    shared = []
-    for pm in metas[0]["param_metadata"]:
-        fsdp_path = pm.get("fsdp_path", "") or ""
-        for pair in pm.get("shared_param_info", ()) or ():
-            shared.append((_joined(fsdp_path, pair[0]), _joined(fsdp_path, pair[1])))
-    return ModelPart(index, tensors, tuple(flat_params), buffer_names, tuple(shared)), metadata_key
-
-def _stale_metadata_note(f: CheckpointFile, key: str, md: Mapping, model: Mapping) -> str:
-    """The warning for FSDP metadata kept beside unflattened weights, saying whether it
-    still describes them (same names and shapes) or another model."""
-    listed = {}
-    for fsdp_path, _, names, shapes, _ in _metadata_structure(md):
-        for n, s in zip(names, shapes):
-            listed[_joined(fsdp_path, n)] = tuple(int(x) for x in s)
-    disagree = [n for n, s in listed.items() if n in model and tuple(model[n].shape) != s]
-    absent = [n for n in listed if n not in model]
-    # No writer is named: metaseq's reshard_fsdp, reshard_mp and convert_to_singleton leave
-    # such a file, and so does fairseq-train's FSDP without use_sharded_state.
-    note = (f"{os.path.basename(f.path)}: holds unflattened weights beside the {key} of the FSDP run they "
-            "came from; the tensors are used and the metadata is ignored")
-    said = ([f"{len(disagree)} shape(s) differ ({_cap(disagree, 3)})"] if disagree else []) + (
-        [f"{len(absent)} listed tensor(s) absent ({_cap(absent, 3)})"] if absent else [])
-    if said:
-        note += "; it does not describe them: " + ", ".join(said)
-    return note + "."
-
-def _check_flat(fp: FlatParam, files: Sequence[CheckpointFile]) -> None:
-    where = f"{os.path.basename(files[0].path)}..{os.path.basename(files[-1].path)}"
-    if len(set(fp.shard_numels)) > 1:
-        sizes = ", ".join(f"{os.path.basename(f.path)}: {n}" for f, n in zip(files, fp.shard_numels))
-        raise CheckpointLayoutError(
-            f"{where}: {fp.key} has a different size in each shard ({sizes}); every shard of one save "
-            "has the same size (the last one padded). Shards of different saves are mixed: keep only "
-            "the files written by one save."
-        )
-    if any(p < 0 or p > n for n, p in zip(fp.shard_numels, fp.paddings)):
-        raise CheckpointLayoutError(
-            f"{where}: {fp.key}: padding {list(fp.paddings)} does not fit shard sizes "
-            f"{list(fp.shard_numels)}: the shard_metadata is inconsistent with the tensors."
-        )
-    seen_padding = False
-    for f, real in zip(files, fp.real_numels):
-        if seen_padding and real > 0:
-            raise CheckpointLayoutError(
-                f"{f.path}: {fp.key}: holds {real} elements after an earlier shard ended in padding "
-                f"(paddings {list(fp.paddings)}): inconsistent padding across shards; expected padding "
-                "only at the end, as fairscale writes it. The shards come from different saves or were edited."
-            )
-        seen_padding = seen_padding or real < (fp.shard_numels[0] if fp.shard_numels else 0)
-    held = sum(fp.real_numels)
-    per_shard = fp.shard_numels[0] if fp.shard_numels else 0
-    needed = -(-fp.total_numel // per_shard) if per_shard else 0
-    name = FileName.parse(os.path.basename(files[-1].path))
-    if held < fp.total_numel and needed > len(files) and name is not None and name.shard is not None:
-        # Every shard but the last is full: the count the set needs follows from the size.
-        missing = [os.path.join(os.path.dirname(files[-1].path), name.format(shard=d))
-                   for d in range(len(files), needed)]
-        raise CheckpointLayoutError(
-            f"{where}: {fp.key}: the {len(files)} shard(s) hold {held} of the {fp.total_numel} elements its "
-            f"metadata lists, {per_shard} per shard, so the set has {needed} shards and "
-            f"{_cap(missing, fmt=os.path.basename)} {'is' if len(missing) == 1 else 'are'} missing (in "
-            f"{os.path.dirname(files[-1].path)}). Copy the missing shard(s) next to the others."
-        )
-    if held != fp.total_numel:
-        raise CheckpointLayoutError(
-            f"{where}: {fp.key}: the {len(files)} shard(s) hold {held} elements but its metadata "
-            f"lists {fp.total_numel} ({len(fp.names)} tensors): "
-            + ("a shard is missing (the set ends early) or " if held < fp.total_numel else "")
-            + "the padding recorded in shard_metadata is wrong. Expected one complete set written by one save."
-        )
-
-def _unflatten(fp: FlatParam, part: int, files: Sequence[CheckpointFile], headers: Mapping) -> dict:
-    """Member tensors of a flat parameter as runs of bytes across the shard files."""
-    starts, pos = [], 0
-    for real in fp.real_numels:
-        starts.append(pos)
-        pos += real
-    out = {}
-    offset = 0
-    for name, shape, numel in zip(fp.names, fp.shapes, fp.numels):
-        extents = []
-        lo, hi = offset, offset + numel
-        for f, start, real in zip(files, starts, fp.real_numels):
-            a, b = max(lo, start), min(hi, start + real)
-            if a >= b:
-                continue
-            obj = headers[f.path]
-            t = _model_dict(obj)[fp.key]
-            base = storage_byte_offset(t) if f.format == "zip" else None
-            itemsize = t.element_size()
-            extents.append(Extent(f.path, _model_key(obj, fp.key), a - start, b - a,
-                                  None if base is None else base + (a - start) * itemsize))
-        out[name] = StoredTensor(name, part, fp.dtype, shape, tuple(extents))
-        offset = hi
-    return out
-
-
 # --------------------------------------------------------------------------- sets of files
 
 
 @dataclass(frozen=True)
+
+
 class TorchSet:
     """A complete grid of ``torch.save`` files, their headers read: what every torch family's
     describer starts from."""
 
-    fileset: _FileSet
+    fileset: FileSet
     name: FileName
     files: tuple  # [part][shard] of CheckpointFile
     headers: Mapping  # path -> header
@@ -826,26 +584,17 @@ def read_set(path: str, *, trust_pickle: bool = False, resolved: Optional[tuple]
         else:
             headers = _read_headers(paths)
     for p, h in headers.items():
-        if _model_dict(h) is None:
+        if model_dict(h) is None:
             keys = _cap([repr(k) for k in h.keys()], 8) if isinstance(h, Mapping) else type(h).__name__
             raise CheckpointLayoutError(
                 f"{p}: not a model checkpoint: its top level is [{keys}]; expected a metaseq/fairseq "
                 "checkpoint (a dict with a 'model' state dict) or a plain state dict of tensors."
             )
     files = tuple(
-        tuple(CheckpointFile(p, m, d, _storage.getsize(p), _format(p)) for d, p in enumerate(row))
+        tuple(CheckpointFile(p, m, d, _storage.getsize(p), file_format(p)) for d, p in enumerate(row))
         for m, row in enumerate(grid)
     )
     return TorchSet(fs, name, files, headers)
-
-
-def _check_loadable(f: CheckpointFile, header: Mapping) -> None:
-    """(local) Every model tensor of a file can be loaded for what its record holds (see
-    :func:`_check_tensor`); the expanded views of one file share one budget."""
-    prefix = _container(header)
-    expanded = [0]
-    for name, t in _model_dict(header).items():
-        _check_tensor(f.path, f.format, f"{prefix}.{name}" if prefix else name, t, expanded)
 
 
 # What the expanded views of one file may take once loaded (a load gives each as a
@@ -855,7 +604,7 @@ _EXPANDED_FLOOR = 64 << 20
 _EXPANDED_RATIO = 16
 
 
-def _check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor, expanded: Optional[list] = None) -> None:
+def check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor, expanded: Optional[list] = None) -> None:
     """A load builds each tensor whole (its elements in order), so one that declares more
     bytes than its file stores for it (an expanded view: torch.load gives a view of its small
     storage) is allocated at its declared size: loaded as torch.load's values while the
@@ -885,40 +634,3 @@ def _check_tensor(path: str, fmt: str, shown: str, t: torch.Tensor, expanded: Op
                 "dict.")
         if expanded is not None:
             expanded[0] = total
-
-
-def build_parts(ts: TorchSet) -> tuple:
-    """(parts, metadata key or None, stale notes) of a set, from its tensors; raise where
-    the parts cannot be one model."""
-    stale: list = []
-    for row in ts.files:
-        for f in row:
-            _check_loadable(f, ts.headers[f.path])
-    built = [_build_part(m, row, ts.headers, stale) for m, row in enumerate(ts.files)]
-    parts = tuple(p for p, _ in built)
-    if len({bool(p.flat_params) for p in parts}) > 1:
-        flat = [str(p.index) for p in parts if p.flat_params]
-        raise CheckpointLayoutError(
-            f"{ts.label}: model part(s) {_cap(flat)} hold flat FSDP shards but the others hold unflattened "
-            "weights: files of different saves are mixed. Keep only the files written by one save."
-        )
-    names0 = list(parts[0].tensors)
-    for p in parts[1:]:
-        if list(p.tensors) != names0 and set(p.tensors) != set(names0):
-            diff = sorted(set(p.tensors) ^ set(names0))
-            raise CheckpointLayoutError(
-                f"{ts.files[p.index][0].path}: model part {p.index} holds other tensors than part 0 "
-                f"(e.g. {_cap(diff)}): parts of different models are mixed. Keep only one save's parts."
-            )
-        for n, t in p.tensors.items():
-            t0 = parts[0].tensors[n]
-            if t.dtype != t0.dtype:
-                raise CheckpointLayoutError(
-                    f"{ts.files[p.index][0].path}: {n} is stored as {str(t.dtype).replace('torch.', '')} in "
-                    f"model part {p.index} but as {str(t0.dtype).replace('torch.', '')} in part 0: parts of "
-                    "different saves (or a part converted on its own) are mixed. Keep only one save's parts, "
-                    "or convert all of them."
-                )
-    return parts, built[0][1], stale
-
-

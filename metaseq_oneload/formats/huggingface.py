@@ -19,7 +19,7 @@ import torch
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError, cap_list, os_error_message
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, ModelPart, StoredTensor
 from .._reading import Extent, read_header
-from ._torchsave import _direct_extent, _format, _model_dict
+from ._torchsave import direct_extent, file_format, model_dict
 
 NAME = "huggingface"
 
@@ -132,12 +132,12 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
                 tensors[name] = StoredTensor(name, 0, dtype, tuple(v["shape"]), (Extent(p, name, 0, numel, start + b),))
         else:
             obj = read_header(p, trust_pickle=trust_pickle)
-            model = _model_dict(obj)
+            model = model_dict(obj)
             if model is None:
                 raise CheckpointLayoutError(f"{p}: not a state dict of tensors.")
-            fmt = _format(p)
+            fmt = file_format(p)
             for name, t in model.items():
-                tensors[name] = StoredTensor(name, 0, t.dtype, tuple(t.shape), (_direct_extent(p, fmt, obj, name, t),))
+                tensors[name] = StoredTensor(name, 0, t.dtype, tuple(t.shape), (direct_extent(p, fmt, obj, name, t),))
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
@@ -151,7 +151,7 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
         prefix=stem,
         name=FileName(stem),
         files=(tuple(CheckpointFile(p, 0, i, os.path.getsize(p), "safetensors" if p.endswith(".safetensors")
-                                    else _format(p)) for i, p in enumerate(files)),),
+                                    else file_format(p)) for i, p in enumerate(files)),),
         parts=(ModelPart(0, tensors, (), tuple(n for n in tensors if n.endswith(".version")), ()),),
         cfg=CheckpointSettings(),
         metadata_key=None,

@@ -18,10 +18,10 @@ import torch
 
 from .. import _storage
 from .._errors import CheckpointLayoutError, cap_list
-from .._layout import (CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, _get, model_args_of,
-                       raw_get, raw_keys)
+from .._layout import (CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, known_get,
+                       model_args_of, raw_get, raw_keys)
 from .._reading import storage_byte_offset
-from . import _index, _torchsave
+from . import _index, _parts, _torchsave
 
 NAME = "metaseq"
 
@@ -69,7 +69,7 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
             "Keep only the files written by one save."
         )
     _check_one_save(ts, run_ids)
-    parts, metadata_key, stale = _torchsave.build_parts(ts)
+    parts, metadata_key, stale = _parts.build_parts(ts)
     settings = _settings(ts.first)
     name = ts.name
     if (name.part is not None and settings.model_parallel_size and settings.model_parallel_size > len(files)
@@ -88,7 +88,8 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
     # args it leaves its keys there.
     args = raw_get(first, "args")
     if ((cfg is not None and "reshard" in raw_keys(cfg)) or any(".qkv_proj." in n for n in parts[0].tensors)
-            or (args is not None and _get(args, "target_world_size") is not None and _get(args, "do_pad") is not None)):
+            or (args is not None and known_get(args, "target_world_size") is not None
+                and known_get(args, "do_pad") is not None)):
         flavor = "metaseq"
     elif raw_get(first, "cfg") is not None or args is not None:
         flavor = "fairseq"
@@ -116,12 +117,13 @@ def _from_headers(ts: "_torchsave.TorchSet", trust_pickle: bool) -> CheckpointLa
 def _cfg_value(header: Any, section: str, key: str) -> Any:
     if not isinstance(header, Mapping):
         return None
-    value = _get(_get(_get(header, "cfg"), section), key)
+    value = known_get(known_get(known_get(header, "cfg"), section), key)
     if value is None:
-        value = _get(_get(_get(header, "cfg"), "model"), key)
+        value = known_get(known_get(known_get(header, "cfg"), "model"), key)
     if value is None:
-        value = _get(_get(header, "args"), key)
+        value = known_get(known_get(header, "args"), key)
     return value
+
 
 def _settings(header: Any) -> CheckpointSettings:
     def as_int(v):
@@ -144,6 +146,7 @@ def _settings(header: Any) -> CheckpointSettings:
         distributed_world_size=as_int(_cfg_value(header, "distributed_training", "distributed_world_size")),
     )
 
+
 def _complete(parts: Sequence, ffn: Any) -> bool:
     """Whether the parts on disk already hold the whole model, by their tensors: their
     column-parallel ``fc1`` rows add up to the model's ffn width. Then a cfg that claims
@@ -162,13 +165,13 @@ def _run_id(header: Any) -> tuple:
     updates = None
     hist = raw_get(header, "optimizer_history")
     if isinstance(hist, (list, tuple)) and hist and isinstance(hist[-1], Mapping):
-        updates = _get(hist[-1], "num_updates")
-    it = _get(_get(header, "extra_state"), "train_iterator")
+        updates = known_get(hist[-1], "num_updates")
+    it = known_get(known_get(header, "extra_state"), "train_iterator")
     # The identity this package's own writers (convert, consolidate) put in every file of
     # one output set tells two sets apart even at the same step.
-    save_id = _get(_get(header, "oneload_save"), "save_id")
+    save_id = known_get(known_get(header, "oneload_save"), "save_id")
     world = _cfg_value(header, "distributed_training", "distributed_world_size")
-    return (updates, _get(it, "epoch"), _get(it, "iterations_in_epoch"), save_id, world)
+    return (updates, known_get(it, "epoch"), known_get(it, "iterations_in_epoch"), save_id, world)
 
 # --------------------------------------------------------------------------- one save
 # metaseq and fairseq files carry no save identity, and two runs of one config stop at the
@@ -215,8 +218,8 @@ def _scalar(path: str, value: Any) -> Any:
 def _train_loss(extra: Any) -> Any:
     """The train ``loss`` meter's state: metaseq/fairseq keep meters as (priority, name,
     class, state) entries."""
-    metrics = _get(extra, "metrics")
-    group = _get(metrics, "train")
+    metrics = known_get(extra, "metrics")
+    group = known_get(metrics, "train")
     if not isinstance(group, (list, tuple)):
         return None
     for entry in group[:1000]:
@@ -233,7 +236,7 @@ def _check_one_save(ts: "_torchsave.TorchSet", run_ids: Mapping) -> None:
     paths = [f.path for row in ts.files for f in row]
     if len(paths) < 2 or all(run_ids[p][3] is not None for p in paths):
         return
-    extra = {p: _get(ts.headers[p], "extra_state") for p in paths}
+    extra = {p: known_get(ts.headers[p], "extra_state") for p in paths}
 
     def refuse(what: str, values: Mapping, rel_tol: float) -> None:
         groups: dict = {}
@@ -268,17 +271,17 @@ def _check_one_save(ts: "_torchsave.TorchSet", run_ids: Mapping) -> None:
     for row in ts.files:  # averaged over the data-parallel ranks of one model part
         if len(row) > 1:
             compare("previous_training_time", [f.path for f in row],
-                    lambda p: _scalar(p, _get(extra[p], "previous_training_time")))
+                    lambda p: _scalar(p, known_get(extra[p], "previous_training_time")))
     # The same for every rank of the save: one file per part is enough.
     heads = [row[0].path for row in ts.files]
     if len(heads) > 1:
-        compare("ewm_loss", heads, lambda p: _scalar(p, _get(extra[p], "ewm_loss")), _ACROSS_PARTS)
+        compare("ewm_loss", heads, lambda p: _scalar(p, known_get(extra[p], "ewm_loss")), _ACROSS_PARTS)
 
         def loss(p: str) -> Any:
             meter = _train_loss(extra[p])
             if meter is None:
                 return None
-            total, count = _scalar(p, _get(meter, "sum")), _scalar(p, _get(meter, "count"))
+            total, count = _scalar(p, known_get(meter, "sum")), _scalar(p, known_get(meter, "count"))
             return None if total is None or count is None else (total, count)
 
         compare("train loss meter (sum, count)", heads, loss, _ACROSS_PARTS)

@@ -17,12 +17,10 @@ from typing import Mapping
 from .. import _storage
 from .._errors import CheckpointLayoutError
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName
-from . import _torchsave
+from .._reading import read_header
+from . import _parts, _torchsave
 
 NAME = "plain"
-
-# Keys only metaseq/fairseq training checkpoints carry: such a file is theirs.
-_TRAINING_KEYS = ("cfg", "args", "optimizer_history", "shard_metadata", "fsdp_metadata", "extra_state")
 
 
 def _single_file(path: str):
@@ -31,7 +29,7 @@ def _single_file(path: str):
     if glob.has_magic(path) or not _storage.lexists(path) or _storage.isdir(path):
         return None
     try:
-        real = _torchsave._resolve(path)
+        real = _torchsave.resolve_links(path)
     except CheckpointLayoutError:
         return None
     if _storage.isdir(real):
@@ -50,13 +48,13 @@ def detect(path: str) -> bool:
     if not real.endswith(".pt"):
         return True  # no other family takes such a name: what the file is, describe() says
     try:
-        header = _torchsave.read_header(real)
+        header = read_header(real)
     except CheckpointLayoutError:
         return False  # damaged or not torch: the metaseq describer says what it is
     except Exception:  # an unsafe pickle: refused there, with its message
         return False
-    return (isinstance(header, Mapping) and _torchsave._container(header) is not None
-            and not any(k in header for k in _TRAINING_KEYS))
+    return (isinstance(header, Mapping) and _torchsave.container(header) is not None
+            and not any(k in header for k in _torchsave.TRAINING_KEYS))  # such a file is theirs
 
 
 def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
@@ -65,12 +63,12 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     directory, base = os.path.split(real)
     prefix = base[:-3] if base.endswith(".pt") else base
     given = os.path.basename(os.fspath(path))
-    fileset = _torchsave._FileSet(directory, prefix, (real,), (given,) if given != base else ())
+    fileset = _torchsave.FileSet(directory, prefix, (real,), (given,) if given != base else ())
     with _torchsave.alone_if_one([real]):
-        header = _torchsave.read_header(real, trust_pickle=trust_pickle)
-    f = CheckpointFile(real, 0, 0, _storage.getsize(real), _torchsave._format(real))
+        header = read_header(real, trust_pickle=trust_pickle)
+    f = CheckpointFile(real, 0, 0, _storage.getsize(real), _torchsave.file_format(real))
     ts = _torchsave.TorchSet(fileset, FileName(prefix), ((f,),), {real: header})
-    parts, metadata_key, stale = _torchsave.build_parts(ts)
+    parts, metadata_key, stale = _parts.build_parts(ts)
     return CheckpointLayout(
         directory=directory,
         prefix=prefix,

@@ -36,6 +36,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")
     import metaseq_oneload as mo
+    from metaseq_oneload._planner import to_wire
     from tests.distributed.workers import target_metadata
 
     node = int(os.environ["GROUP_RANK"])
@@ -80,7 +81,8 @@ def main() -> None:
         r = lc.report
         rows.append({"scenario": name, "strategy": r.strategy, "reason": r.reason, "bytes_read": r.bytes_read,
                      "rchar": read, "bytes_out": r.bytes_out, "received": r.bytes_received,
-                     "from_other_nodes": r.bytes_from_other_nodes, "sent": r.bytes_sent, "served": served})
+                     "from_other_nodes": r.bytes_from_other_nodes, "sent": r.bytes_sent, "served": served,
+                     "plan": to_wire(r.plan.parts[0]).decode()})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "node": node, "local_rank": int(os.environ["LOCAL_RANK"]), "rows": rows}, f)
     dist.destroy_process_group()

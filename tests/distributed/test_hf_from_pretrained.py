@@ -30,7 +30,7 @@ def _saved(folder, how):
 
 def _compare(model, oracle) -> dict:
     """(collective under FSDP2: full_tensor gathers) Max abs diff per check."""
-    from metaseq_oneload._loading import _is_dtensor
+    from metaseq_oneload._into import is_dtensor as _is_dtensor
 
     sd = model.state_dict()
     assert set(sd) == set(oracle["weights"]), sorted(set(sd) ^ set(oracle["weights"]))
@@ -54,7 +54,8 @@ def load_all_ways(rank, world, cases):
     """Each case: a folder, and the ranks that are told a path they cannot see."""
     from transformers import T5ForConditionalGeneration
 
-    from metaseq_oneload._hf import from_pretrained, fully_shard_blocks
+    from metaseq_oneload import from_pretrained
+    from metaseq_oneload.hf import fully_shard_blocks
 
     out = {}
     for name, folder, blind_ranks in cases:
@@ -121,7 +122,8 @@ def mismatches(rank, world, folders):
     from transformers import T5ForConditionalGeneration
 
     from metaseq_oneload._errors import OneloadError
-    from metaseq_oneload._hf import from_pretrained, fully_shard_blocks
+    from metaseq_oneload import from_pretrained
+    from metaseq_oneload.hf import fully_shard_blocks
 
     out = []
     for folder, fsdp, blind in folders:
@@ -147,7 +149,7 @@ def fsdp1_recipe(rank, world, folder):
     from transformers.models.t5.modeling_t5 import T5Block
 
     import metaseq_oneload as oneload
-    from metaseq_oneload._hf import empty_model, fsdp1_param_init_fn
+    from metaseq_oneload.hf import empty_model, fsdp1_param_init_fn
 
     device = torch.device("cpu")
     model = empty_model(T5ForConditionalGeneration, folder)  # every rank: parameters on meta
@@ -177,7 +179,7 @@ def cpu_offload(rank, world, folder):
     from transformers import T5ForConditionalGeneration
 
     from metaseq_oneload import _hf
-    from metaseq_oneload._loading import _is_dtensor
+    from metaseq_oneload._into import is_dtensor as _is_dtensor
 
     class Stop(Exception):
         pass

@@ -152,16 +152,16 @@ def _cases(rank: int, world: int) -> dict:
     attempt("store_words", lambda: words.update(store_words()))
     out["store_words"]["words"] = words
 
-    # (i) The integrations' own discovery before the load (integrations/_core: _locate, per
-    # rank) fails on one rank: the others stop at once with its reason, as with the
+    # (i) The integrations' own discovery before the load (integrations/_checkpoint: locate,
+    # per rank) fails on one rank: the others stop at once with its reason, as with the
     # engine's own entry points.
-    from metaseq_oneload.integrations import _core
+    from metaseq_oneload.integrations import _checkpoint, _core
 
     def integration_discovery_fails():
         path = single.parent / "no-such-checkpoint" if rank == 3 else single
-        with _core._before_load(four, None):
-            layout = _core._locate(path)
-        _core._engine_load(layout, process_group=four)
+        with _checkpoint.before_load(four, None):
+            layout = _checkpoint.locate(path)
+        _core.engine_load(layout, process_group=four)
 
     attempt("integration_discovery_fails", integration_discovery_fails)
 
@@ -170,14 +170,14 @@ def _cases(rank: int, world: int) -> dict:
     # collective, stop at once instead of at the process group's timeout (15 s here).
     import datetime
 
-    import metaseq_oneload._loading as engine
+    import metaseq_oneload._engine as engine
 
     quick = dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=QUICK_PG_TIMEOUT))
 
     def raises_between_steps():
         saved = engine.node_key
         if rank == 2:
-            def node_key():
+            def node_key(explicit=None):
                 raise RuntimeError("rank 2 could not describe its node")
             engine.node_key = node_key
         try:

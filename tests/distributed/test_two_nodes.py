@@ -209,3 +209,27 @@ def test_fsdp_shards_and_flat_onto_two_nodes(two_nodes):
         assert {k for s in shards for k in s} == set(shards[0])
     blind = _rows(results, "node 1 sees none, flat")
     assert [r["bytes_read"] for r, res in zip(blind, results) if res["node"] == 1] == [0, 0]
+
+
+@pytest.mark.parametrize("scenario,folder,rel,strategy,blind", [
+    ("own copies", None, "big/synth.pt", "auto", ()),
+    ("own copies, strict", None, "big/synth.pt", "parallel", ()),
+    ("own copies, strict, no shared memory", None, "big/synth.pt", "parallel", ()),
+    ("own copies, fsdp shards", None, "fsdp_dp3/checkpoint_2-model_part-0-shard0.pt", "auto", ()),
+    ("node 1 sees none", "node0", "big/synth.pt", "auto", (1,)),
+])
+def test_the_plan_is_the_load_on_two_nodes(two_nodes, monkeypatch, scenario, folder, rel, strategy, blind):
+    """What each rank's group executed is, value for value, what ``plan_load`` states for two
+    nodes of two ranks (each with its own copy, or node 1 with none), as the coordinator (rank
+    0, whose paths the plan names) sees the files."""
+    from metaseq_oneload._loadplan import plan_load
+    from metaseq_oneload._planner import from_wire
+
+    results, out, _, _ = two_nodes
+    rows = _rows(results, scenario)
+    monkeypatch.setenv("METASEQ_ONELOAD_SHM", "0" if "no shared memory" in scenario else "1")
+    seen = out.parent / (folder or f"node{results[0]['node']}") / rel
+    plan = plan_load(seen, world=4, ranks_per_node=2, blind_nodes=blind, strategy=strategy)
+    for rank, row in enumerate(rows):
+        assert from_wire(row["plan"].encode()) == plan.part(0), (scenario, rank)
+        assert row["bytes_read"] == plan.ranks[rank].bytes_read, (scenario, rank)

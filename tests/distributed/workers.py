@@ -144,7 +144,7 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
         shutil.copytree(FIXTURES / "fsdp_dp3", own, symlinks=True)
     calls = {"n": 0}
 
-    def truncate_after_first_piece(nbytes):
+    def truncate_after_first_piece(done, total):
         calls["n"] += 1
         if calls["n"] == 1:
             for f in sorted(os.listdir(own)):
@@ -174,12 +174,9 @@ def expect_failure(rank: int, world: int, scenario: str, tmp: str) -> str:
         elif scenario == "options_differ":
             mo.load_state_dict(FIXTURES / "fsdp_dp3", process_group=group, verify=rank == 0)
         elif scenario == "reader_fails_while_verifying":
-            total = {"n": 0}
-
-            def truncate_when_done(nbytes):
-                total["n"] += nbytes
-                if total["n"] >= 86196:  # every model byte arrived: now spoil the files
-                    truncate_after_first_piece(nbytes)
+            def truncate_when_done(done, total):
+                if done >= 86196:  # every model byte arrived: now spoil the files
+                    truncate_after_first_piece(done, total)
 
             mo.load_state_dict(own, process_group=group, strategy="broadcast", verify=True,
                                progress=truncate_when_done if rank == 0 else None)
@@ -285,11 +282,11 @@ def count_discovery(rank: int, world: int, paths) -> dict:
     """Load each path collectively; per load, how many files this rank unpickled and how
     many index identities it checked, and whether the layout it worked from equals what it
     discovers on its own."""
-    from metaseq_oneload import _loading, _reading
+    from metaseq_oneload import _engine, _header, _zip
     from metaseq_oneload.formats import _index
 
     counts = {"unpickled": 0, "identities": 0}
-    real_load, real_id = _reading._torch_load, _index.file_identity
+    real_load, real_id = _header.torch_load, _index.file_identity
 
     def load(p, **kw):
         counts["unpickled"] += 1
@@ -299,60 +296,60 @@ def count_discovery(rank: int, world: int, paths) -> dict:
         counts["identities"] += 1
         return real_id(p)
 
-    _reading._torch_load, _index.file_identity = load, ident
+    _header.torch_load, _index.file_identity = load, ident
     seen = []
-    real_once = _loading._discover_once
+    real_once = _engine._discover_once
 
     def once(*a, **kw):
         out = real_once(*a, **kw)
         seen.append(out[0])
         return out
 
-    _loading._discover_once = once
+    _engine._discover_once = once
     out = []
     try:
         for p in paths:
-            _reading._cached_header.cache_clear()
-            _reading._zip_index.cache_clear()
+            _header._cached_header.cache_clear()
+            _zip.zip_index.cache_clear()
             counts.update(unpickled=0, identities=0)
             sd = mo.load_state_dict(p, process_group=dist.group.WORLD)
             row = dict(counts)
-            _reading._torch_load, _index.file_identity = real_load, real_id
+            _header.torch_load, _index.file_identity = real_load, real_id
             local = mo.inspect(p)
-            _reading._torch_load, _index.file_identity = load, ident
+            _header.torch_load, _index.file_identity = load, ident
             row["same_layout"] = seen[-1] == local and seen[-1].fingerprint() == local.fingerprint()
             row["paths_here"] = all(f.path.startswith(local.directory) for f in seen[-1].all_files)
             row["tensors"] = len(sd)
             out.append(row)
     finally:
-        _reading._torch_load, _index.file_identity = real_load, real_id
-        _loading._discover_once = real_once
+        _header.torch_load, _index.file_identity = real_load, real_id
+        _engine._discover_once = real_once
     return out
 
 
 def default_group_load(rank: int, world: int) -> dict:
     """load_state_dict(path) with no group under an initialized torch.distributed: collective
     over the default group (one rank reads the headers); no_dist=True: each rank alone."""
-    from metaseq_oneload import _reading
+    from metaseq_oneload import _header
 
     calls = {"n": 0}
-    real = _reading._torch_load
+    real = _header.torch_load
 
     def counting(p, **kw):
         calls["n"] += 1
         return real(p, **kw)
 
-    _reading._torch_load = counting
+    _header.torch_load = counting
     try:
-        _reading._cached_header.cache_clear()
+        _header._cached_header.cache_clear()
         lc = mo.load_checkpoint(FIXTURES / "fsdp_dp3")
         collective = {"headers": calls["n"], "strategy": lc.report.strategy}
-        _reading._cached_header.cache_clear()
+        _header._cached_header.cache_clear()
         calls["n"] = 0
         local = mo.load_checkpoint(FIXTURES / "fsdp_dp3", no_dist=True)
         alone = {"headers": calls["n"], "strategy": local.report.strategy}
     finally:
-        _reading._torch_load = real
+        _header.torch_load = real
     assert_matches_reference(lc.model, reference_weights())
     assert_matches_reference(local.model, reference_weights())
     try:

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from metaseq_oneload import _hydra
-from metaseq_oneload._startup import _AfterImport, strip_argv
+from metaseq_oneload._import_hook import AfterImport
+from metaseq_oneload._startup import strip_argv
 from tests.conftest import REPO
 
 PTH = (REPO / "metaseq_oneload.pth").read_text()
@@ -99,7 +100,7 @@ def run_with_pth(tmp_path, argv, env=None, program="metaseq-fake", then=""):
         print(json.dumps({{"argv": sys.argv[1:], "env": os.environ.get("METASEQ_ONELOAD"),
                           "heavy": sorted(m for m in ("torch", "hydra", "omegaconf", "metaseq_oneload.integrations")
                                           if m in sys.modules),
-                          "hook": any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)}}), flush=True)
+                          "hook": any(type(f).__name__ == "AfterImport" for f in sys.meta_path)}}), flush=True)
         """) + textwrap.dedent(then))
     full_env = {k: v for k, v in os.environ.items() if k != "METASEQ_ONELOAD"}
     full_env.update(env or {})
@@ -203,9 +204,9 @@ def test_after_import_fires_once_the_package_has_run(tmp_path):
     (pkg / "__init__.py").write_text("VALUE = 42\n")
     code = textwrap.dedent("""\
         import sys
-        from metaseq_oneload._startup import _AfterImport
+        from metaseq_oneload._import_hook import AfterImport
         seen = []
-        finder = _AfterImport.watch(["oneload_probe_pkg"], lambda: seen.append(sys.modules["oneload_probe_pkg"].VALUE))
+        finder = AfterImport.watch(["oneload_probe_pkg"], lambda: seen.append(sys.modules["oneload_probe_pkg"].VALUE))
         import oneload_probe_pkg
         print(seen, finder in sys.meta_path, type(oneload_probe_pkg.__loader__).__name__, oneload_probe_pkg.__spec__.loader is oneload_probe_pkg.__loader__)
         """)
@@ -216,6 +217,6 @@ def test_after_import_fires_once_the_package_has_run(tmp_path):
 
 
 def test_after_import_ignores_other_modules():
-    finder = _AfterImport(["no_such_package_xyz"], lambda: None)
+    finder = AfterImport(["no_such_package_xyz"], lambda: None)
     assert finder.find_spec("json") is None
     assert finder.find_spec("no_such_package_xyz") is None  # not installed: nothing to wrap

@@ -12,7 +12,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import MISSING, OmegaConf
 
 from metaseq_oneload import _hydra
-from metaseq_oneload._hydra import OneloadConfig, OneloadSchema, extend_schema, register_configs
+from metaseq_oneload._hydra import OneloadSchema
+from metaseq_oneload.hydra import OneloadConfig, extend_schema, register_configs
 
 DEFAULTS = {"strategy": "auto", "path": None, "verify": False, "bucket_mb": 256.0, "fill_cfg": True}
 

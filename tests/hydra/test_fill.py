@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import metaseq_oneload as mo
-from metaseq_oneload._hydra import CheckpointSettingsError, checkpoint_path, fill_settings
+from metaseq_oneload._hydra import checkpoint_path
+from metaseq_oneload.hydra import CheckpointSettingsError, fill_settings
 from tests.conftest import FIXTURES, needs_fixtures
 
 pytestmark = needs_fixtures

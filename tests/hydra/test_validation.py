@@ -12,8 +12,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-import metaseq_oneload
-from metaseq_oneload._hydra import OneloadConfig, OneloadSchema, compose_oneload, to_config
+import metaseq_oneload.hydra
+from metaseq_oneload._hydra import OneloadSchema, to_config
+from metaseq_oneload.hydra import OneloadConfig, compose_oneload
 from tests.conftest import REPO
 
 ALLOWED = r"expected one of \[auto, own_shard, reshard, broadcast, parallel, off\]"
@@ -96,12 +97,12 @@ def test_a_structured_primary_config_says_what_to_do(structured_app):
         compose("oneload_test_structured", overrides=["+oneload=auto"])
     text = str(e.value)
     assert "Key 'oneload' not in 'Cfg'" in text  # Hydra's own words first: what a search finds
-    assert "metaseq_oneload.register_configs(Cfg, 'oneload_test_structured')" in text
+    assert "metaseq_oneload.hydra.register_configs(Cfg, 'oneload_test_structured')" in text
     assert "docs/hydra.md" in text
 
 
 def test_the_fix_the_message_names_works(structured_app):
-    metaseq_oneload.register_configs(Cfg, "oneload_test_structured")
+    metaseq_oneload.hydra.register_configs(Cfg, "oneload_test_structured")
     cfg = compose("oneload_test_structured", overrides=["+oneload=auto", "oneload.strategy=broadcast"])
     assert OmegaConf.is_struct(cfg) and cfg.lr == 0.1 and cfg.oneload.strategy == "broadcast"
     refused(rf"Invalid value 'bogus', {ALLOWED}", compose, "oneload_test_structured",

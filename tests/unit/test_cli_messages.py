@@ -50,7 +50,7 @@ def test_export_hf_warnings_go_to_stderr_and_json_stays_clean(tmp_path, capsys):
 
 
 def test_dtype_names_are_the_same_everywhere():
-    from metaseq_oneload._convert import _DTYPES
+    from metaseq_oneload._convert import DTYPE_BY_NAME as _DTYPES
 
     assert tuple(sorted(_DTYPES)) == DTYPES
     parser = build_parser()

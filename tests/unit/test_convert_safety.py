@@ -47,8 +47,8 @@ def _python(code: str, **kw) -> subprocess.Popen:
 def test_an_error_part_way_removes_every_temporary_file(tmp_path, big, exc):
     calls = []
 
-    def hook(nbytes, tensors):
-        calls.append(nbytes)
+    def hook(done, total):
+        calls.append(done)
         if len(calls) == 3:
             raise exc("stop here")
 
@@ -64,8 +64,8 @@ def test_kill_9_while_writing_leaves_no_final_file(tmp_path, big):
 import os, time
 from metaseq_oneload._convert import convert
 written = [0]
-def hook(nbytes, tensors):
-    written[0] += nbytes
+def hook(done, total):
+    written[0] = done
     # Part-way: the first file is being written, others are waiting.
     if written[0] > (8 << 20) and not os.path.exists({str(marker)!r}):
         open({str(marker)!r}, "w").close()
@@ -154,9 +154,9 @@ def _dead_pid() -> int:
 def test_stale_temporaries_of_this_host_only(tmp_path):
     """On shared storage another host's temporary files may belong to a live writer: only
     this host's, of a dead pid, are removed (files and export-hf's folders alike)."""
-    from metaseq_oneload import _writing
+    from metaseq_oneload import _outputs
 
-    host, dead = _writing._host(), _dead_pid()
+    host, dead = _outputs._host(), _dead_pid()
     final = tmp_path / "ck.pt"
     mine_dead = tmp_path / f".ck.pt.oneload-tmp+{host}+{dead}+0a1b2c3d"
     mine_dead_folder = tmp_path / f".ck.pt.oneload-tmp-{host}-{dead}"  # export-hf's earlier form
@@ -169,28 +169,28 @@ def test_stale_temporaries_of_this_host_only(tmp_path):
         p.write_bytes(b"x")
     mine_dead_folder.mkdir()
     (mine_dead_folder / "model.safetensors").write_bytes(b"x")
-    assert _writing.stale_temps(final) == sorted([str(mine_dead), str(mine_dead_folder)])
-    assert sorted(_writing.remove_stale_temps(final)) == sorted([str(mine_dead), str(mine_dead_folder)])
+    assert _outputs.stale_temps(final) == sorted([str(mine_dead), str(mine_dead_folder)])
+    assert sorted(_outputs.remove_stale_temps(final)) == sorted([str(mine_dead), str(mine_dead_folder)])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (other_host, other_host2, other_host3, mine_alive, legacy))
     # OutputSet.clean_stale is the same rule.
     mine_dead.write_bytes(b"x")
-    out = _writing.OutputSet([str(final)], overwrite=False)
+    out = _outputs.OutputSet([str(final)], overwrite=False)
     assert out.clean_stale() == [str(mine_dead)]
 
 
 def test_temporary_files_are_created_exclusively(tmp_path, monkeypatch):
     """A temporary name is never one that exists, a planted link included: it is created
     with O_EXCL | O_NOFOLLOW, and a random tail makes it unpredictable."""
-    from metaseq_oneload import _writing
+    from metaseq_oneload import _outputs
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     tails = iter(["aaaaaaaa", "bbbbbbbb"])
-    monkeypatch.setattr(_writing.secrets, "token_hex", lambda n: next(tails))
-    planted = tmp_path / f".ck.pt.oneload-tmp+{_writing._host()}+{os.getpid()}+aaaaaaaa"
+    monkeypatch.setattr(_outputs.secrets, "token_hex", lambda n: next(tails))
+    planted = tmp_path / f".ck.pt.oneload-tmp+{_outputs._host()}+{os.getpid()}+aaaaaaaa"
     os.symlink(victim, planted)
-    tmp = _writing.make_temp(str(tmp_path / "ck.pt"))
+    tmp = _outputs.make_temp(str(tmp_path / "ck.pt"))
     assert tmp.endswith("+bbbbbbbb") and os.path.isfile(tmp) and not os.path.islink(tmp)
     assert victim.read_bytes() == b"precious"
     old = os.umask(0o022)
@@ -207,7 +207,7 @@ def test_write_torch_never_writes_through_a_link(tmp_path):
     victim.write_bytes(b"precious")
     os.symlink(victim, tmp_path / "out.pt")
     with pytest.raises(OSError):
-        write_torch(str(tmp_path / "out.pt"), {"w": torch.zeros(4)}, {}, None, chunk_bytes=1 << 16)
+        write_torch(str(tmp_path / "out.pt"), {"w": torch.zeros(4)}, {}, None)
     assert victim.read_bytes() == b"precious"
 
 
@@ -223,9 +223,9 @@ def test_write_torch_reads_its_header_back_with_the_allowlist(tmp_path):
 
     obj = {"w": torch.arange(4.0), "odd": _NotAllowlisted()}
     with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint allowlist"):
-        write_torch(str(tmp_path / "a.pt"), obj, {}, None, chunk_bytes=1 << 16)
+        write_torch(str(tmp_path / "a.pt"), obj, {}, None)
     # The caller that unpickled its source with trust_pickle=True may write what it read.
-    write_torch(str(tmp_path / "b.pt"), obj, {}, None, chunk_bytes=1 << 16, trust_pickle=True)
+    write_torch(str(tmp_path / "b.pt"), obj, {}, None, trust_pickle=True)
     assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=False)["w"], torch.arange(4.0))
 
 
@@ -260,7 +260,7 @@ def test_a_second_concurrent_convert_into_the_same_destination_fails_and_changes
     first = _python(f"""
 import os, time
 from metaseq_oneload._convert import convert
-def hook(nbytes, tensors):
+def hook(done, total):
     if not os.path.exists({str(paused)!r}):
         open({str(paused)!r}, "w").close()
         deadline = time.time() + 120
@@ -307,7 +307,7 @@ def test_a_file_that_appears_at_a_final_name_is_never_replaced(tmp_path):
     out = tmp_path / "out"
     theirs = out / "ck-model_part-0-shard1.pt"
 
-    def hook(nbytes, tensors):
+    def hook(done, total):
         if not theirs.exists():
             theirs.write_bytes(b"another program's file")
 

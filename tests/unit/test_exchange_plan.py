@@ -9,7 +9,8 @@ import tempfile
 
 import pytest
 
-from metaseq_oneload._exchange import cached_nodes, overlap, page_cache_view, plan_exchange, private_nodes
+from metaseq_oneload._exchange import cached_nodes, overlap, plan_exchange, private_nodes
+from metaseq_oneload._nodes import page_cache_view
 
 
 def _ranges(per_rank):
@@ -222,7 +223,6 @@ def test_page_cache_view(tmp_path):
 
 
 def test_the_plan_stays_where_blind_ranks_are_even_if_nothing_moves():
-    from metaseq_oneload._loading import _exchange_choice
 
     # readers 0 and 1 want disjoint halves, blind rank 2 wants nothing: no message, but the
     # readers still verify for the blind rank through the exchange's path
@@ -291,7 +291,6 @@ def test_a_private_node_serves_a_blind_node_and_a_shared_node_reads_apart():
 
 
 def test_private_nodes_and_what_auto_says():
-    from metaseq_oneload._loading import _exchange_choice
 
     nodes = ["a", "a", "b", "b"]
     local = _view(private=True, fs="ext4")
@@ -342,3 +341,11 @@ def test_ranks_of_a_node_reading_different_copies_share_no_cache(tmp_path):
     assert ok == frozenset() and "read different copies of the files (ranks 0, 1)" in notes[0], notes
     ok, _ = cached_nodes([dict(_view(), files=va["files"])] * 2, ["n", "n"], [0, 1], ranges, SIZES)
     assert ok == {"n"}
+
+
+def _exchange_choice(strategy, asked, reason, ranges, sizes, order, readers, nodes, views, bucket_bytes):
+    """The planner's choice, on a topology of these ranks' nodes and views."""
+    from metaseq_oneload._planner import Topology, exchange_choice
+
+    topo = Topology(1, tuple(range(len(nodes))), tuple(nodes), tuple(readers), tuple(views))
+    return exchange_choice(strategy, asked, reason, ranges, sizes, order, topo, bucket_bytes)

@@ -78,7 +78,7 @@ def test_composing_the_oneload_group_leaves_hydras_version_base_as_it_was():
     import pytest
 
     version = pytest.importorskip("hydra.version")
-    from metaseq_oneload import compose_oneload
+    from metaseq_oneload.hydra import compose_oneload
 
     instance = version.VersionBase.instance()
     before = instance.version_base
@@ -100,7 +100,7 @@ def test_real_fairseq_converts_its_namespace_after_the_oneload_group_was_compose
     if fairseq_run.skip_reason():
         pytest.skip(fairseq_run.skip_reason())
     probe = "\n".join([
-        "from metaseq_oneload import compose_oneload",
+        "from metaseq_oneload.hydra import compose_oneload",
         "compose_oneload(['+oneload=auto'])",
         "from fairseq import options",
         "from fairseq.dataclass.utils import convert_namespace_to_omegaconf",

@@ -19,7 +19,7 @@ import torch
 
 import metaseq_oneload as mo
 from metaseq_oneload import CheckpointLayoutError, UnsafeCheckpointError
-from metaseq_oneload import _reading, _unpickle
+from metaseq_oneload import _header, _unpickle, _zip
 from metaseq_oneload._reading import read_header, storage_byte_offset
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -53,9 +53,9 @@ def builds(monkeypatch) -> list:
         return real(self)
 
     monkeypatch.setattr(_unpickle._Stub, "tensor", counting)
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     yield built
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
 
 
 def _bytes_at(path: Path, t: torch.Tensor) -> torch.Tensor:
@@ -135,11 +135,11 @@ def test_every_corpus_header_is_what_torchs_meta_load_gives():
     requires_grad, storage size and the verified byte offset."""
     fast = 0
     for p in ZIPS:
-        key = _reading._stat_key(str(p))
-        index = _reading._zip_index(key)
+        key = _zip.stat_key(str(p))
+        index = _zip.zip_index(key)
         fd = os.open(p, os.O_RDONLY)
         try:
-            data = _reading._record_bytes(fd, index.records["data.pkl"], str(p))
+            data = _zip.record_bytes(fd, index.records["data.pkl"], str(p))
         finally:
             os.close(fd)
         ours, problem = _unpickle.header(str(p), index, data)
@@ -147,8 +147,8 @@ def test_every_corpus_header_is_what_torchs_meta_load_gives():
         if ours is None:  # a tensor subclass or one with attributes: torch's loader reads it
             continue
         fast += 1
-        theirs = _reading._load_with_torch(str(p), trust_pickle=False, map_location="meta")
-        _reading._check_zip(str(p), theirs, index, data)
+        theirs = _header._load_with_torch(str(p), trust_pickle=False, map_location="meta")
+        _header.check_zip(str(p), theirs, index, data)
         a, b = list(_walk(ours)), list(_walk(theirs))
         assert [n for n, _ in a] == [n for n, _ in b], p
         for (n, x), (_, y) in zip(a, b):
@@ -164,7 +164,7 @@ def test_a_tensor_with_attributes_is_read_by_torchs_loader(tmp_path):
     t.note = "kept"  # torch.save writes _rebuild_from_type_v2, which the one pass hands on
     path = tmp_path / "attr.pt"
     torch.save({"model": {"w": t}}, path)
-    index = _reading._zip_index(_reading._stat_key(str(path)))
+    index = _zip.zip_index(_zip.stat_key(str(path)))
     with zipfile.ZipFile(path) as z:
         data = z.read(f"{index.folder}/data.pkl")
     assert _unpickle.header(str(path), index, data) == (None, None)
@@ -191,7 +191,7 @@ def test_a_refused_global_is_never_imported(tmp_path, monkeypatch):
     torch.save({"model": {"w": torch.zeros(2)}, "extra_state": Carrier()}, path)
     del sys.modules["oneload_evil_mod"]
     marker.unlink()
-    index = _reading._zip_index(_reading._stat_key(str(path)))
+    index = _zip.zip_index(_zip.stat_key(str(path)))
     with zipfile.ZipFile(path) as z:
         data = z.read(f"{index.folder}/data.pkl")
     assert _unpickle.header(str(path), index, data) == (None, None)
@@ -210,7 +210,7 @@ def test_the_deferred_optimizer_state_is_a_dict_every_way_in(tmp_path, builds):
             lambda d: repr(d), lambda d: copy.deepcopy(d), lambda d: pickle.dumps(d),
             lambda d: {}.update(d)]
     for way in ways:
-        _reading._cached_header.cache_clear()
+        _header._cached_header.cache_clear()
         builds.clear()
         los = read_header(str(path))["last_optimizer_state"]
         assert isinstance(los, dict) and len(builds) == 3
@@ -240,15 +240,15 @@ def test_what_the_one_pass_finds_wrong_stands_whatever_the_fallback_says(tmp_pat
     monkeypatch.setattr(torch.Tensor, "__reduce_ex__", reduce_ex)
     torch.save({"model": {"w": t}}, path)
     monkeypatch.setattr(torch.Tensor, "__reduce_ex__", original)
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     with pytest.raises(CheckpointLayoutError, match=r"past\.pt: tensor model\.w: shape \(5,\) .* reaches element 5 "
                                                      r"of a storage of 3 float32"):
         read_header(str(path))  # the old checks' words
-    monkeypatch.setattr(_reading, "_check_zip", lambda *a: None)
-    _reading._cached_header.cache_clear()
+    monkeypatch.setattr(_header, "check_zip", lambda *a: None)
+    _header._cached_header.cache_clear()
     with pytest.raises(CheckpointLayoutError, match=r"past\.pt: a tensor reaches element 5 of a storage of 3 elements"):
         read_header(str(path))
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
 
 
 def test_a_build_aimed_at_a_tensor_cannot_change_it_after_its_checks(tmp_path, monkeypatch):
@@ -271,12 +271,12 @@ def test_a_build_aimed_at_a_tensor_cannot_change_it_after_its_checks(tmp_path, m
     monkeypatch.setattr(torch.Tensor, "__reduce_ex__", reduce_ex)
     torch.save({"model": {"w": t}}, path)
     monkeypatch.setattr(torch.Tensor, "__reduce_ex__", original)
-    index = _reading._zip_index(_reading._stat_key(str(path)))
+    index = _zip.zip_index(_zip.stat_key(str(path)))
     with zipfile.ZipFile(path) as z:
         data = z.read(f"{index.folder}/data.pkl")
     assert b"_tensor" in data  # the BUILD is there
     assert _unpickle.header(str(path), index, data) == (None, None)
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     # torch's loader judges the file: it refuses it (the torch this suite runs on: set_()
     # rejects the state), said as this file's damage, or it gives the tensor, unchanged.
     # Any other exception, or anything else where the tensor goes, fails the test.

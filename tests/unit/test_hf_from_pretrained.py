@@ -12,7 +12,8 @@ import torch
 
 import metaseq_oneload
 from metaseq_oneload._errors import CheckpointLayoutError, CheckpointNotFoundError, StateDictMismatchError
-from metaseq_oneload._hf import empty_model, from_pretrained
+from metaseq_oneload import from_pretrained
+from metaseq_oneload.hf import empty_model
 from tests.hf_tiny import T5_LABELS, T5_TOKENS, rewrite_safetensors, save_tiny_t5
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +46,20 @@ def test_loads_exactly_what_save_pretrained_wrote(tmp_path, how):
         a = model(input_ids=T5_TOKENS, labels=T5_LABELS).logits
         b = theirs(input_ids=T5_TOKENS, labels=T5_LABELS).logits
     assert torch.equal(a, b)
+
+
+def test_the_source_is_path_and_progress_gets_done_and_total(tmp_path):
+    """The conventions every verb shares (docs/api.md): the folder is ``path``, and a progress
+    callable is called with (bytes done so far, bytes in all), ending at all."""
+    saved = save_tiny_t5(tmp_path)
+    calls = []
+    model = from_pretrained(T5ForConditionalGeneration, path=tmp_path,
+                            progress=lambda done, total: calls.append((done, total)))
+    assert_same(model, saved)
+    assert calls and calls[-1][0] == calls[-1][1] > 0
+    assert all(done <= total for done, total in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    empty = empty_model(T5ForConditionalGeneration, path=tmp_path)
+    assert all(p.device.type == "meta" for p in empty.parameters())
 
 
 def test_auto_class_and_config_overrides(tmp_path):
@@ -155,11 +170,10 @@ def test_hub_id_that_cannot_be_downloaded(tmp_path):
 
 
 def test_export_hf_is_a_cli_command():
-    from metaseq_oneload.cli import _load_commands, build_parser
+    from metaseq_oneload.cli import build_parser
 
-    _load_commands()
     args = build_parser().parse_args(["export-hf", "a", "b", "--max-shard-size", "2GB", "--json"])
-    assert (args.src, args.dst, args.max_shard_size, args.json, args.overwrite) == ("a", "b", "2GB", True, False)
+    assert (args.path, args.dst, args.max_shard_size, args.json, args.overwrite) == ("a", "b", "2GB", True, False)
 
 
 # --------------------------------------------------------------------------- threads

@@ -11,7 +11,7 @@ import shutil
 import torch
 
 import metaseq_oneload as mo
-from metaseq_oneload import _reading
+from metaseq_oneload import _header
 from metaseq_oneload.formats import _torchsave
 from metaseq_oneload.formats import metaseq as metaseq_format
 from tests.conftest import FIXTURES, needs_fixtures, raw_load
@@ -21,14 +21,14 @@ pytestmark = needs_fixtures
 
 def _count_unpickling(monkeypatch) -> list:
     calls = []
-    real = _reading._torch_load
+    real = _header.torch_load
 
     def counting(path, **kw):
         calls.append(os.path.basename(path))
         return real(path, **kw)
 
-    monkeypatch.setattr(_reading, "_torch_load", counting)
-    _reading._cached_header.cache_clear()
+    monkeypatch.setattr(_header, "torch_load", counting)
+    _header._cached_header.cache_clear()
     return calls
 
 

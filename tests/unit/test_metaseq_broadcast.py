@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from metaseq_oneload.integrations._core import _digest, _same_everywhere, broadcast_object
+from metaseq_oneload.integrations._broadcast import broadcast_object, digest, same_everywhere
 from tests.distributed.harness import run_ranks
 
 
@@ -60,12 +60,12 @@ def broadcast_worker(rank: int, world: int) -> list:
             out.append(f"{type(e).__name__}: {e}")
     # The FSDP wrapper's full state dicts: nothing sent when every rank holds the same.
     same_sd = {"w": torch.arange(6.).reshape(2, 3)}
-    out.append(_same_everywhere(same_sd, dist.group.WORLD) is same_sd)
+    out.append(same_everywhere(same_sd, dist.group.WORLD) is same_sd)
     differing = {"w": torch.full((2, 3), float(rank))} if rank == 0 else {}
-    out.append(torch.equal(_same_everywhere(differing, dist.group.WORLD)["w"], torch.zeros(2, 3)))
+    out.append(torch.equal(same_everywhere(differing, dist.group.WORLD)["w"], torch.zeros(2, 3)))
     # Same numbers in another order (equal float sums): not the same state dict.
     permuted = {"w": torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else torch.tensor([3.0, 2.0, 1.0])}
-    out.append(_same_everywhere(permuted, dist.group.WORLD)["w"].tolist() == [1.0, 2.0, 3.0])
+    out.append(same_everywhere(permuted, dist.group.WORLD)["w"].tolist() == [1.0, 2.0, 3.0])
     return out
 
 
@@ -90,10 +90,10 @@ def test_without_a_process_group_it_is_the_identity():
 
 def test_digest_hashes_bytes_not_sums():
     a = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    assert _digest(a) == _digest({"w": torch.tensor([1.0, 2.0, 3.0])})
-    assert _digest(a) != _digest({"w": torch.tensor([3.0, 2.0, 1.0])})
-    assert _digest(a) != _digest({"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)})
-    assert _digest(a) != _digest({"w": torch.tensor([[1.0, 2.0, 3.0]])})
-    assert _digest({"b": torch.tensor([True, False]), "h": torch.ones(2, dtype=torch.bfloat16)}) != _digest(
+    assert digest(a) == digest({"w": torch.tensor([1.0, 2.0, 3.0])})
+    assert digest(a) != digest({"w": torch.tensor([3.0, 2.0, 1.0])})
+    assert digest(a) != digest({"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)})
+    assert digest(a) != digest({"w": torch.tensor([[1.0, 2.0, 3.0]])})
+    assert digest({"b": torch.tensor([True, False]), "h": torch.ones(2, dtype=torch.bfloat16)}) != digest(
         {"b": torch.tensor([False, True]), "h": torch.ones(2, dtype=torch.bfloat16)})
-    assert _digest({"t": torch.arange(6.0).reshape(2, 3).t()}) == _digest({"t": torch.arange(6.0).reshape(2, 3).t().contiguous()})
+    assert digest({"t": torch.arange(6.0).reshape(2, 3).t()}) == digest({"t": torch.arange(6.0).reshape(2, 3).t().contiguous()})

@@ -55,12 +55,13 @@ def run(tmp_path, code: str) -> dict:
 def test_repeated_install_keeps_the_config_and_off_uninstalls(tmp_path):
     out = run(tmp_path, """
         import fairseq.checkpoint_utils as cu
-        from metaseq_oneload.integrations import _core as m
+        from metaseq_oneload import integrations as m
+        from metaseq_oneload.integrations._patching import STATE
         orig = cu.load_checkpoint_to_cpu
         out = {"first": m.install({"strategy": "broadcast", "bucket_mb": 8}, explicit=["--model-parallel-size"])}
         out["again"] = m.install()  # e.g. a script's own install() after the start-up hook's
-        out["kept"] = [m.current_config().strategy, m.current_config().bucket_mb, sorted(m._STATE.explicit)]
-        out["new"] = [m.install({"strategy": "reshard"}), m.current_config().strategy, sorted(m._STATE.explicit)]
+        out["kept"] = [m.current_config().strategy, m.current_config().bucket_mb, sorted(STATE.explicit)]
+        out["new"] = [m.install({"strategy": "reshard"}), m.current_config().strategy, sorted(STATE.explicit)]
         out["off"] = m.install({"strategy": "off"})
         out["after_off"] = [m.installed(), cu.load_checkpoint_to_cpu is orig, m.current_config().strategy]
         out["fresh"] = [m.install(), m.current_config().strategy, m.installed()]
@@ -76,15 +77,16 @@ def test_repeated_install_keeps_the_config_and_off_uninstalls(tmp_path):
 def test_only_the_library_in_use_is_imported_and_patched(tmp_path):
     out = run(tmp_path, """
         import fairseq.checkpoint_utils as cu
-        from metaseq_oneload.integrations import _core as m
-        out = {"installed": m.install(), "libraries": list(m._STATE.libraries),
+        from metaseq_oneload import integrations as m
+        from metaseq_oneload.integrations._patching import STATE
+        out = {"installed": m.install(), "libraries": list(STATE.libraries),
                "metaseq_imported": "metaseq" in sys.modules,
                "fairseq_patched": cu.load_checkpoint_to_cpu.__module__ == "metaseq_oneload.integrations.fairseq"}
         import metaseq  # imported later: patched as it is imported; this stand-in cannot be, which is logged
         out["import_ok"] = metaseq.IMPORTED
-        out["libraries_after"] = list(m._STATE.libraries)
+        out["libraries_after"] = list(STATE.libraries)
         m.uninstall()
-        out["hook_gone"] = not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)
+        out["hook_gone"] = not any(type(f).__name__ == "AfterImport" for f in sys.meta_path)
         print(json.dumps(out))
         """)
     assert out["installed"] is True and out["libraries"] == ["fairseq"] and out["fairseq_patched"]

@@ -1,5 +1,5 @@
 """The optimizer state that install()'s Trainer.load_checkpoint hands to metaseq
-(``integrations._core.rank_optimizer_state``), checked against fairscale's own sharding of the saved
+(``integrations._optimizer.rank_optimizer_state``), checked against fairscale's own sharding of the saved
 state, and against what the offline conversion writes for the same rank: one planning path
 (``_optim.plan_optimizer`` + ``rank_state``), the same bytes (metaseq itself is not needed)."""
 
@@ -8,7 +8,7 @@ import torch
 
 import metaseq_oneload as mo
 from metaseq_oneload._convert import convert
-from metaseq_oneload.integrations._core import _state_sizes_fit, rank_optimizer_state
+from metaseq_oneload.integrations._optimizer import _state_sizes_fit, rank_optimizer_state
 from metaseq_oneload._optim import rest_source, same_weights_layout
 from tests.conftest import FIXTURES, copy_set, needs_fixtures, raw_load
 from tests.distributed.workers import fairscale_shard

@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def _pyenv_python(minor: int):
 PURE = r"""
 import contextlib, io, json, sys
 import metaseq_oneload
+import metaseq_oneload.hydra as oneload_hydra
 from metaseq_oneload import cli, _hydra
 import hydra_plugins.oneload_searchpath.oneload_searchpath as plugin
 from hydra.core.plugins import Plugins
@@ -81,9 +83,9 @@ for argv in (["--version"], ["--help"], ["convert", "--help"], ["export-hf", "--
             assert e.code == 0, (argv, e.code)
     out[" ".join(argv)] = buf.getvalue()
 out["plugins"] = [p.__name__ for p in Plugins.instance().discover(SearchPathPlugin)]
-out["composed"] = repr(_hydra.compose_oneload(["+oneload=broadcast", "oneload.bucket_mb=64"]))
+out["composed"] = repr(oneload_hydra.compose_oneload(["+oneload=broadcast", "oneload.bucket_mb=64"]))
 try:
-    _hydra.compose_oneload(["+oneload=auto", "oneload.strategy=bogus"])
+    oneload_hydra.compose_oneload(["+oneload=auto", "oneload.strategy=bogus"])
 except Exception as e:
     out["refused"] = str(e)
 out["argv"] = _hydra.split_argv(["--lr", "1", "+oneload=auto", "oneload.verify=true"])
@@ -182,6 +184,153 @@ def test_type_checkers_see_every_lazy_name():
 def test_every_public_name_resolves():
     for name in metaseq_oneload.__all__:
         assert getattr(metaseq_oneload, name) is not None, name
+    for module in (metaseq_oneload.hydra, metaseq_oneload.hf):
+        for name in module.__all__:
+            assert getattr(module, name) is not None, f"{module.__name__}.{name}"
+
+
+# The top level: the verbs, their results and the errors. Hydra plumbing and the Hugging
+# Face model helpers live in their own public submodules, each name in exactly one place.
+TOP_LEVEL = {
+    "inspect", "CheckpointLayout", "load_state_dict", "load_checkpoint", "load_into", "LoadedCheckpoint",
+    "LoadReport", "plan_load", "LoadPlan", "convert", "consolidate", "ConvertReport", "verify", "VerifyReport",
+    "TensorDiff", "export_hf", "HFExport", "from_pretrained", "install", "uninstall", "installed",
+}
+SUBMODULES = {
+    "hydra": {"register_resolver", "register_configs", "extend_schema", "compose_oneload", "fill_settings",
+              "checkpoint_settings", "OneloadConfig", "CheckpointSettingsError", "activate"},
+    "hf": {"empty_model", "fully_shard_blocks", "fsdp1_param_init_fn"},
+}
+
+
+def test_the_public_surface_is_the_verbs_and_their_results():
+    errors = {n for n in metaseq_oneload.__all__ if n.endswith("Error")}
+    assert set(metaseq_oneload.__all__) == TOP_LEVEL | errors
+    assert all(issubclass(getattr(metaseq_oneload, n), metaseq_oneload.OneloadError) for n in errors)
+    for sub, names in SUBMODULES.items():
+        module = importlib.import_module(f"metaseq_oneload.{sub}")
+        assert set(module.__all__) == names, sub
+        assert not names & set(metaseq_oneload.__all__), sub  # one place per name, no aliases
+        assert not any(hasattr(metaseq_oneload, n) for n in names), sub
+
+
+def test_the_hydra_submodule_imports_no_torch():
+    """Hydra imports the package when it discovers the plugin; the Hydra names must not cost torch."""
+    code = ("import sys, metaseq_oneload.hydra as h; h.OneloadConfig(); "
+            "print(sorted(m for m in ('torch', 'numpy', 'hydra', 'omegaconf') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+# Each verb's leading arguments: the source is ``path``, an output ``dst``, a second source ``other``.
+LEADING = {
+    "inspect": ["path"], "load_state_dict": ["path"], "load_checkpoint": ["path"], "load_into": ["module", "path"],
+    "plan_load": ["path"], "from_pretrained": ["model_cls", "path"], "convert": ["path", "dst"],
+    "consolidate": ["path", "dst"], "verify": ["path", "other"], "export_hf": ["path", "dst"],
+}
+
+
+def test_one_name_per_concept_across_the_verbs():
+    """docs/api.md's conventions: the same argument means the same in every verb."""
+    for name, leading in LEADING.items():
+        params = inspect.signature(getattr(metaseq_oneload, name)).parameters
+        assert list(params)[:len(leading)] == leading, name
+        for arg, default in (("chunk_mb", 64), ("bucket_mb", 256)):
+            if arg in params:
+                assert params[arg].default == default, (name, arg)
+        for arg in ("src", "dst_prefix", "name_or_path", "a", "b"):
+            assert arg not in params, (name, arg)
+        if "model_parallel" in params:  # a size; a group is model_parallel_group
+            assert params["model_parallel"].default in (None, 1), name
+    empty = inspect.signature(metaseq_oneload.hf.empty_model).parameters
+    assert list(empty)[:2] == ["model_cls", "path"] and empty["path"].default is None
+
+
+def _api_sections() -> dict:
+    """docs/api.md's sections by heading, each with the names its tables' first cells list."""
+    sections = {}
+    for block in (REPO / "docs" / "api.md").read_text().split("\n## ")[1:]:
+        heading, _, body = block.partition("\n")
+        cells = re.findall(r"^\| ([^|]+) \|", body, re.M)
+        sections[heading] = {n for c in cells for n in re.findall(r"`(\w+)[(`]", c)}, body
+    return sections
+
+
+def test_the_api_page_lists_the_public_surface():
+    sections = _api_sections()
+    top_names, top_text = next(v for k, v in sections.items() if k.startswith("`metaseq_oneload`"))
+    assert top_names >= TOP_LEVEL - {"CheckpointLayout", "LoadedCheckpoint", "LoadReport", "LoadPlan",
+                                     "ConvertReport", "VerifyReport", "TensorDiff", "HFExport"}
+    for name in metaseq_oneload.__all__:  # the result types and errors named in the text
+        assert f"`{name}" in top_text, name
+    for sub, names in SUBMODULES.items():
+        listed, _ = next(v for k, v in sections.items() if k.startswith(f"`metaseq_oneload.{sub}`"))
+        assert listed == names, sub
+
+
+def _documented_python() -> list:
+    """(file, code) of every Python block in the docs, the README and the examples' READMEs."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "examples").rglob("*.md"))]
+    return [(f, code) for f in files for code in re.findall(r"```python\n(.*?)```", f.read_text(), re.S)]
+
+
+def test_documented_python_names_the_public_api():
+    """Every ``oneload.X`` / ``metaseq_oneload.X[.Y]`` a documented snippet uses resolves, and
+    none reaches into a private module."""
+    checked = 0
+    for f, code in _documented_python():
+        aliases = ["metaseq_oneload"] + (["oneload"] if "import metaseq_oneload as oneload" in code else [])
+        for alias in aliases:
+            for chain in re.findall(rf"(?<![\w.]){alias}((?:\.\w+)+)", code):
+                obj = metaseq_oneload
+                for part in chain.lstrip(".").split("."):
+                    assert not part.startswith("_"), f"{f.name}: {alias}{chain} is private"
+                    if isinstance(obj, types.ModuleType) or part in ("hydra", "hf"):
+                        obj = getattr(obj, part, None)
+                        assert obj is not None, f"{f.name}: {alias}{chain}"
+                        checked += 1
+                    else:
+                        break  # an attribute of a result (report.files): not the API's names
+        for module, names in re.findall(r"^from (metaseq_oneload[\w.]*) import ([\w, ]+)$", code, re.M):
+            assert not any(p.startswith("_") for p in module.split(".")), f"{f.name}: from {module}"
+            imported = importlib.import_module(module)
+            for name in names.split(","):
+                assert hasattr(imported, name.strip()), f"{f.name}: from {module} import {name.strip()}"
+                checked += 1
+    assert checked > 20
+
+
+def _documented_commands() -> list:
+    """(file, argv) of every ``metaseq-oneload ...`` line in a code block of the docs and the README."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "examples").rglob("*.md"))]
+    found = []
+    for f in files:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", f.read_text(), re.S):
+            for line in block.splitlines():
+                line = re.sub(r"^\$ ", "", line.strip())
+                if not line.startswith("metaseq-oneload ") or ": error:" in line:
+                    continue
+                line = re.sub(r"\s+#.*$", "", line)  # a comment
+                line = re.sub(r"\[(--[^\]]*)\]", r"\1", line)  # [--json]: an option, shown taken
+                line = re.sub(r"(?<= )[A-Z](?= |$)", "2", line)  # --shards N: a number
+                found.append((f.name, shlex.split(line)[1:]))
+    return found
+
+
+def test_documented_commands_parse():
+    """Every command line the docs show is one the parser takes, flags and arguments alike."""
+    from metaseq_oneload.cli import build_parser
+
+    commands = _documented_commands()
+    assert len(commands) > 15
+    for name, argv in commands:
+        if argv == ["--version"]:
+            continue
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{name}: metaseq-oneload {' '.join(argv)} does not parse")
 
 
 def _annotations(obj) -> list:
@@ -194,8 +343,10 @@ def _annotations(obj) -> list:
 
 def test_help_shows_plain_annotations():
     checked = 0
-    for name in sorted(metaseq_oneload._LAZY):
-        obj = getattr(metaseq_oneload, name)
+    public = [getattr(metaseq_oneload, n) for n in sorted(metaseq_oneload._LAZY)]
+    public += [getattr(metaseq_oneload.hf, n) for n in metaseq_oneload.hf.__all__]
+    for obj in public:
+        name = obj.__name__
         for ann in _annotations(obj):
             if ann is inspect.Parameter.empty:
                 continue

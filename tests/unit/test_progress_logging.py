@@ -13,10 +13,10 @@ CODE = r"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(message)s")
 import metaseq_oneload
-from metaseq_oneload import _loading
+from metaseq_oneload import _engine
 
 # A record logged while the bar is up, as a slow file system's warning would be.
-bar_up = _loading._progress_bar
+bar_up = _engine.progress_bar
 def progress_bar(*args, **kwargs):
     update, ctx = bar_up(*args, **kwargs)
     class Ctx:
@@ -26,7 +26,7 @@ def progress_bar(*args, **kwargs):
         def __exit__(self, *exc):
             return ctx.__exit__(*exc)
     return update, Ctx()
-_loading._progress_bar = progress_bar
+_engine.progress_bar = progress_bar
 sd = metaseq_oneload.load_state_dict(sys.argv[1], progress=True)
 print(len(sd))
 """

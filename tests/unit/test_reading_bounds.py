@@ -280,7 +280,7 @@ def test_listing_the_storages_runs_nothing_of_the_pickle(tmp_path):
     """The storage references are listed by replaying the pickle with stubs: a payload that
     torch's allowlist refuses is not run by the listing either (it runs under trust_pickle
     only, as documented)."""
-    from metaseq_oneload._reading import _storage_refs
+    from metaseq_oneload._header import _storage_refs
 
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"

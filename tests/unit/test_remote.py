@@ -229,14 +229,14 @@ def test_the_library_patches_take_urls_through_the_engine(remote, tmp_path):
     """What metaseq's and fairseq's patches call for an s3:// path (they no longer hand it
     back to the library): the set located from any name, the rest of a file (cfg, optimizer
     state) read without fetching the weights."""
-    from metaseq_oneload.integrations import _core
+    from metaseq_oneload.integrations import _checkpoint
 
     ep, urls = remote
-    assert not _core._remote(urls["fsdp_dp3"] + "/checkpoint_2.pt")
-    assert _core._remote("manifold://bucket/checkpoint_2.pt")  # no fsspec protocol: the library's own
-    layout = _core._locate(urls["fsdp_dp3"] + "/checkpoint_2.pt", "-model_part-0-shard1")
+    assert not _checkpoint.remote(urls["fsdp_dp3"] + "/checkpoint_2.pt")
+    assert _checkpoint.remote("manifold://bucket/checkpoint_2.pt")  # no fsspec protocol: the library's own
+    layout = _checkpoint.locate(urls["fsdp_dp3"] + "/checkpoint_2.pt", "-model_part-0-shard1")
     assert (layout.shards_per_part, layout.flat) == (3, True)
-    assert _core._named_part(urls["mp2_ddp"] + "/checkpoint_2-model_part-1.pt", mo.inspect(urls["mp2_ddp"])) == 1
+    assert _checkpoint.named_part(urls["mp2_ddp"] + "/checkpoint_2-model_part-1.pt", mo.inspect(urls["mp2_ddp"])) == 1
 
     g = torch.Generator().manual_seed(2)
     model = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}
@@ -249,8 +249,8 @@ def test_the_library_patches_take_urls_through_the_engine(remote, tmp_path):
     for skip in (True, False):
         _storage.forget()
         ep.reset()
-        got = _core._read_rest(url, skip_optimizer=skip)
-        want = _core._read_rest(str(tmp_path / "ck.pt"), skip_optimizer=skip)
+        got = _checkpoint.read_rest(url, skip_optimizer=skip)
+        want = _checkpoint.read_rest(str(tmp_path / "ck.pt"), skip_optimizer=skip)
         assert set(got) == set(want) and "model" not in got
         assert got["extra_state"] == want["extra_state"] and got["optimizer_history"] == want["optimizer_history"]
         fetched = ep.counters.bytes_by_key["/ckpt/rest/checkpoint_1.pt"]

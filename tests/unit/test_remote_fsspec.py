@@ -61,10 +61,22 @@ def test_an_unknown_protocol_is_named():
 
 
 def test_storage_settings_are_checked(monkeypatch):
-    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_CONCURRENCY", "0")
+    from metaseq_oneload import OptionError
+
     with pytest.raises(ValueError, match="concurrency >= 1"):
+        _storage.RemoteSettings(concurrency=0)
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_CONCURRENCY", "0")  # read by _settings, which names it
+    with pytest.raises(OptionError, match=r"\$METASEQ_ONELOAD_REMOTE_CONCURRENCY='0': expected a number \(whole"):
         _storage.settings()
     monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_CONCURRENCY", "4")
+    monkeypatch.setenv("METASEQ_ONELOAD_REMOTE_PART_MB", "0.01")
+    with pytest.raises(OptionError, match=r"\$METASEQ_ONELOAD_REMOTE_PART_MB='0.01': expected a number of MiB, at "
+                                          r"least 0.0625 \(64 KiB\)"):
+        _storage.settings()
+    monkeypatch.delenv("METASEQ_ONELOAD_REMOTE_PART_MB")
+    monkeypatch.setenv("METASEQ_ONELOAD_STORAGE_OPTIONS", '["anon"]')
+    with pytest.raises(OptionError, match=r"\$METASEQ_ONELOAD_STORAGE_OPTIONS='\[\"anon\"\]': expected a JSON object"):
+        _storage.settings()
     monkeypatch.setenv("METASEQ_ONELOAD_STORAGE_OPTIONS", '{"s3": {"endpoint_url": "http://127.0.0.1:1"}, "gs": {"token": "anon"}}')
     s = _storage.settings()
     assert s.options_for("s3") == {"endpoint_url": "http://127.0.0.1:1"} and s.options_for("az") == {}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import metaseq_oneload as mo
-from metaseq_oneload import _reading
+from metaseq_oneload import _header, _zip
 from metaseq_oneload.formats import _index
 from tests.conftest import FIXTURES, needs_fixtures
 
@@ -36,8 +36,8 @@ def _public_digest(d: dict) -> str:
 
 
 def _clear_caches():
-    _reading._cached_header.cache_clear()
-    _reading._zip_index.cache_clear()
+    _header._cached_header.cache_clear()
+    _zip.zip_index.cache_clear()
 
 
 def _convert(tmp_path, name: str, **kw):
@@ -103,7 +103,7 @@ def _poison_copy(out, other):
     every tensor record: an extent moved there reads inside a record, and wrong values."""
     shutil.copytree(out, other)
     for p in other.glob("*.pt"):
-        index = _reading._parse_zip(str(p))
+        index = _zip._parse_zip(str(p))
         with open(p, "r+b") as f:
             for rec in index.records.values():
                 if rec.name.startswith("data/") and rec.size:
@@ -196,8 +196,8 @@ def test_an_index_of_another_key_is_ignored_and_said(tmp_path, monkeypatch):
 def test_a_valid_index_still_saves_every_header_read(tmp_path, monkeypatch):
     out = _convert(tmp_path, "out")
     calls = []
-    real = _reading._torch_load
-    monkeypatch.setattr(_reading, "_torch_load", lambda path, **kw: calls.append(path) or real(path, **kw))
+    real = _header.torch_load
+    monkeypatch.setattr(_header, "torch_load", lambda path, **kw: calls.append(path) or real(path, **kw))
     _clear_caches()
     layout = mo.inspect(out)
     assert layout.index == str(out / "ck.oneload-index.json") and calls == []

@@ -135,11 +135,11 @@ def test_a_writer_never_truncates_a_file_it_did_not_create(tmp_path, victim, wri
     os.link(victim, name)
     with pytest.raises(OneloadError, match="a file this process did not create"):
         if writer == "write_torch":
-            _writing.write_torch(str(name), {"w": torch.zeros(4)}, {}, None, chunk_bytes=1 << 16)
+            _writing.write_torch(str(name), {"w": torch.zeros(4)}, {}, None)
         elif writer == "write_json":
             _writing.write_json(str(name), {"a": 1})
         else:
-            _writing.write_safetensors(str(name), [], {}, None, chunk_bytes=1 << 16)
+            _writing.write_safetensors(str(name), [], {}, None)
     assert victim.read_bytes() == PRECIOUS
 
 

@@ -22,7 +22,7 @@ import torch
 
 import metaseq_oneload as mo
 from metaseq_oneload import CheckpointLayoutError, OneloadError
-from metaseq_oneload import _reading
+from metaseq_oneload import _allowlist, _header, _reading
 from tests.unit.test_unpickle_attacks import replace_pickle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def _data_pkl(path) -> bytes:
 
 def _torch_reads(path):
     """torch's own meta load of the file under our allowlist: the header to match."""
-    with _reading._allowlisted():
+    with _allowlist.allowlisted():
         return torch.load(path, map_location="meta", weights_only=True)
 
 
@@ -65,7 +65,7 @@ def _shape(obj, seen=None):
 
 
 def _ours(path):
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     return _reading.read_header(path)
 
 

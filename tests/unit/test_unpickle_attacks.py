@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from metaseq_oneload import CheckpointLayoutError, UnsafeCheckpointError
-from metaseq_oneload import _reading, _unpickle
+from metaseq_oneload import _allowlist, _header, _unpickle
 from metaseq_oneload._reading import read_header
 
 
@@ -39,7 +39,7 @@ def replace_pickle(path, data_pkl: bytes) -> str:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         for name, data in members:
             z.writestr(name, data_pkl if name.endswith("/data.pkl") else data)
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     return str(path)
 
 
@@ -51,7 +51,7 @@ def _zip_with_pickle(path, data_pkl: bytes) -> str:
 
 def _torch_reads(data: bytes):
     """What torch's weights_only loader makes of a pickle (under our allowlist)."""
-    with _reading._allowlisted():
+    with _allowlist.allowlisted():
         return torch._weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
 
 
@@ -154,7 +154,7 @@ def test_a_legacy_tensor_class_cannot_plant_backward_hooks():
 def _header_of(tmp_path, obj) -> dict:
     path = tmp_path / "c.pt"
     torch.save(obj, path)
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     return read_header(str(path))
 
 
@@ -259,14 +259,14 @@ def test_a_defaultdict_reads_as_torch_reads_it(tmp_path, value):
     d = collections.defaultdict(list, {} if value == "empty" else {"a": [1]})
     path = tmp_path / "dd.pt"
     torch.save({"model": {}, "d": d}, path)
-    _reading._cached_header.cache_clear()
+    _header._cached_header.cache_clear()
     if value == "filled":
         with pytest.raises(pickle.UnpicklingError):
             torch.load(path, weights_only=True)
         with pytest.raises(UnsafeCheckpointError):
             read_header(str(path))
         return
-    with _reading._allowlisted():
+    with _allowlist.allowlisted():
         expected = torch.load(path, weights_only=True)
     header = read_header(str(path))
     assert type(header["d"]) is collections.defaultdict and header["d"].default_factory is list

@@ -191,6 +191,7 @@ def test_no_top_level_hydra_configs_package(wheel_env):
         assert "hydra_configs" not in z.read(top_level).decode().split()
     assert not [n for n in names if n.startswith("hydra_configs/")]
     assert "metaseq_oneload/hydra_configs/oneload/auto.yaml" in names and "metaseq_oneload/py.typed" in names
+    assert "metaseq_oneload/hydra.py" in names and "metaseq_oneload/hf.py" in names  # the public submodules
     assert not (wheel_env["site"] / "hydra_configs").exists()
     r = _run(wheel_env, wheel_env["python"], "-c", "import importlib.util; print(importlib.util.find_spec('hydra_configs'))")
     assert r.stdout.strip() == "None"
