@@ -32,7 +32,7 @@ from ._nodes import node_key, page_cache_view
 from ._execute import Want, counting, execute, fill, sum64
 from ._layout import CheckpointLayout
 from ._options import Options
-from ._plan import FlatGroup, FlatStructure, TargetTensor, plan_part as plan_targets
+from ._plan import FlatGroup, FlatStructure, TargetTensor, flat_structure, plan_part as plan_targets
 from ._planner import LoadPlan, PartPlan, Topology, check_views, choose, from_wire, plan_part, to_wire, want_ranges
 from ._reading import RangeReader
 from ._settings import disagreement
@@ -305,9 +305,7 @@ def _targets_and_wants(path, dp: Group, mp: Group, opts: Options, flat: bool, la
             # (with parallel, every rank that sees the files plans: it reads with its own paths)
             targets = plan_targets(layout, mp.size, mp.rank, qkv=opts.qkv, rules=opts.rules, dtype=opts.dtype)
             if flat:
-                structure = (FlatStructure.from_metadata(structure_from) if structure_from is not None
-                             else FlatStructure.from_layout(layout, targets))
-                structure.check_against(targets)
+                structure = flat_structure(layout, targets, structure_from)
     except Exception as e:
         error = e
     settle((dp, mp), error, f"loading {path}: planning")

@@ -15,7 +15,7 @@ import torch
 
 from .._errors import CheckpointLayoutError
 from .._optim import materialize, plan_optimizer, rest_source, same_weights_layout
-from .._plan import FlatStructure, flat_shard_range, plan_part
+from .._plan import FlatStructure, flat_shard_range, flat_structure, plan_part
 from ._checkpoint import OPT_KEY, owning, read_rest
 
 __all__ = ["OptimizerTarget", "rank_optimizer_state", "place_optimizer_state"]
@@ -78,8 +78,10 @@ def rank_optimizer_state(layout, opt: Mapping, *, part: int, parts: int, shard: 
     """
     weights = plan_part(layout, parts, part, qkv=qkv)
     if flat:
-        structure = structure if structure is not None else FlatStructure.from_layout(layout, weights)
-        structure.check_against(weights)
+        if structure is None:
+            structure = flat_structure(layout, weights)
+        else:
+            structure.check_against(weights)
     if same_weights_layout(layout, parts=parts, shards=shards, flat=flat, structure=structure) and (
             not flat or _state_sizes_fit(opt, layout, part, shard, shards)):
         return owning(opt), ""
