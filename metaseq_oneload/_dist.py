@@ -46,7 +46,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._errors import DistributedLoadError, OneloadError, cap_list
+from ._errors import DistributedLoadError, OneloadError, OptionError, cap_list
+from ._settings import Settings, from_env, variable
 
 __all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "tell_failed", "tell_left", "arrival_timeout",
            "clip",
@@ -54,15 +55,9 @@ __all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "tell_fa
 
 logger = logging.getLogger("metaseq_oneload")
 
-ARRIVAL_TIMEOUT_ENV = "METASEQ_ONELOAD_ARRIVAL_TIMEOUT"
-# Only a rank that never calls the load waits this out: one whose call fails before the
-# check-in tells the others at once (tell_failed, the integrations' _before_load). It is
-# sized for a rank that is merely slow to arrive, and the metaseq/fairseq integrations
-# discover the set on each rank (_locate: every header of the set) before the engine's
-# check-in: on a cold network file system a large set's headers take minutes on one rank
-# while its peers wait. 120 s failed such a rank; 300 s covers it (a rank that fails does
-# not cost this wait).
-DEFAULT_ARRIVAL_TIMEOUT = 300.0
+ARRIVAL_TIMEOUT_ENV = variable("arrival_timeout")
+# (why 300 s: see Settings.arrival_timeout)
+DEFAULT_ARRIVAL_TIMEOUT = Settings.arrival_timeout
 # Characters of one rank's message that travel to the others (the local error keeps all of
 # it as the cause).
 MESSAGE_CAP = 2000
@@ -85,21 +80,19 @@ def clip(text: str, limit: int = MESSAGE_CAP) -> str:
     return text if len(text) <= limit else f"{text[:limit]} ... ({len(text) - limit} more characters)"
 
 
-def arrival_timeout(value: Optional[float] = None) -> float:
-    """Seconds the first collective of a load waits for every rank: ``value``, else the
-    ``METASEQ_ONELOAD_ARRIVAL_TIMEOUT`` environment variable, else the default."""
-    source = "arrival_timeout"
+def arrival_timeout(value: Optional[float] = None, settings: Optional[Settings] = None) -> float:
+    """(local) Seconds the first collective of a load waits for every rank: ``value`` (the
+    caller's ``arrival_timeout=``), else the settings' (``settings``, else the environment's
+    now: ``$METASEQ_ONELOAD_ARRIVAL_TIMEOUT``, default :data:`DEFAULT_ARRIVAL_TIMEOUT`).
+
+    Raises:
+        OptionError: ``value`` is not a positive number, or the variable is malformed
+            (naming it).
+    """
     if value is None:
-        raw = os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip()
-        if not raw:
-            return DEFAULT_ARRIVAL_TIMEOUT
-        source = ARRIVAL_TIMEOUT_ENV
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{ARRIVAL_TIMEOUT_ENV}={raw!r}: expected a number of seconds.") from None
+        return (settings or from_env(only=("arrival_timeout",))).arrival_timeout
     if not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"{source}={value!r}: expected a positive number of seconds.")
+        raise OptionError(f"arrival_timeout={value!r}: expected a positive number of seconds.")
     return float(value)
 
 
@@ -370,7 +363,24 @@ class Group:
                 return store
         return None
 
-    def check_in(self, timeout: float, prior: Optional[dict], own: bool = False) -> Optional[dict]:
+    def _base(self) -> str:
+        """Store key prefix of this group's check-ins."""
+        return f"{_KEY}/{self.role}/{hashlib.sha1(repr(self.members()).encode()).hexdigest()[:16]}"
+
+    def generation(self) -> Optional[int]:
+        """(local, one store look-up) The number of this group's next check-in, taken when a
+        load begins (:func:`arrive`) and passed to :meth:`check_in` as ``since``; None
+        without a store."""
+        store = self._store() if self.active and self.size > 1 else None
+        if store is None:
+            return None
+        try:
+            return int(store.add(f"{self._base()}/gen", 0))
+        except Exception:  # noqa: BLE001  (check_in meets the same store and reports it)
+            return None
+
+    def check_in(self, timeout: float, prior: Optional[dict], own: bool = False,
+                 since: Optional[int] = None) -> Optional[dict]:
         """(all ranks of the group, collective through the store) Wait at most ``timeout``
         seconds for every member to arrive. ``prior`` is this rank's failure (its own, before
         the load, or from an earlier group's check-in), passed on so that this group's
@@ -382,6 +392,14 @@ class Group:
         the others at their next one, and one that comes after they gave up is told so,
         never left waiting inside a collective.
 
+        ``since``: :meth:`generation` when this rank's load began (:func:`arrive`; None: now).
+        A check-in of this group decided after that, without this rank, was this load's (the
+        others gave up on it, or stopped with a failure, while it was still on its way, e.g.
+        waiting in an earlier group's check-in): this rank is late for it and is told so, or
+        stops with its own ``prior``, at once. It neither waits at, nor leaves a verdict in,
+        the check-in after that one: that is the others' next load, which must not meet (and
+        raise) a failure of this one.
+
         ``own``: ``prior`` is this rank's own call failing (:func:`tell_failed`). That may be a
         call this rank made alone (a rank-specific code path that caught the error and went
         on): the others, waiting or arriving, wait up to :data:`_RETURN_GRACE` seconds for
@@ -391,10 +409,10 @@ class Group:
         if store is None:
             return prior
         members = self.members()
-        base = f"{_KEY}/{self.role}/{hashlib.sha1(repr(members).encode()).hexdigest()[:16]}"
+        base = self._base()
         gen = store.add(f"{base}/gen", 0)
         self._withdraw(store, base, gen)
-        missed = self._missed(store, base, gen, timeout, prior is not None)
+        missed = self._missed(store, base, gen, timeout, prior is not None, since)
         if missed is not None:
             return prior or missed
         key = f"{base}/{gen}"
@@ -417,7 +435,8 @@ class Group:
             except Exception:  # noqa: BLE001  (the store's own timeout error)
                 missing = [r for r in members if not store.check([f"{key}/r{r}"])]
                 # Everyone may have come in the moment since the wait ended: then it is complete.
-                state = self._resolve(store, base, gen, json.dumps({"missing": missing}) if missing else "ok")
+                state = self._resolve(store, base, gen,
+                                      json.dumps({"missing": missing, "timeout": timeout}) if missing else "ok")
         if state is None:
             state = store.get(f"{key}/state").decode()
         if state == "ok":
@@ -430,9 +449,7 @@ class Group:
         missing = verdict["missing"]
         where = f"of the {self.role} group [{cap_list(members)}]"
         if self.global_rank in missing:
-            message = (f"rank {me} arrived after the other ranks {where} had stopped waiting for it "
-                       f"(arrival_timeout={timeout:g}s); every rank stopped this load. If ranks legitimately reach "
-                       f"the load this far apart, raise arrival_timeout= (or {ARRIVAL_TIMEOUT_ENV}) on every rank.")
+            return prior or self._too_late(verdict, timeout)
         else:
             previous = [r for r in self._previous_missing(store, base, gen) if r in missing]
             late = (f" Rank(s) {cap_list(previous)} also missed the previous load's check-in: are they one load "
@@ -442,6 +459,17 @@ class Group:
                        "rank that arrived stops here. If ranks legitimately reach the load this far apart, raise "
                        f"arrival_timeout= (or {ARRIVAL_TIMEOUT_ENV}).{late}")
         return prior or {"message": message, "failures": {str(r): "never arrived" for r in missing}}
+
+    def _too_late(self, verdict: dict, timeout: float) -> dict:
+        """The failure of a rank that arrived after the others had stopped waiting for it
+        (``verdict``: the check-in's, naming it missing)."""
+        missing = verdict["missing"]
+        where = f"of the {self.role} group [{cap_list(self.members())}]"
+        message = (f"rank {self.global_rank} arrived after the other ranks {where} had stopped waiting for it "
+                   f"(arrival_timeout={float(verdict.get('timeout', timeout)):g}s); every rank stopped this load. If "
+                   f"ranks legitimately reach the load this far apart, raise arrival_timeout= (or "
+                   f"{ARRIVAL_TIMEOUT_ENV}) on every rank.")
+        return {"message": message, "failures": {str(r): "never arrived" for r in missing}}
 
     def _resolve(self, store, base: str, gen: int, value: str) -> str:
         """Decide check-in ``gen`` once: the first rank to claim it publishes ``value``, then
@@ -468,30 +496,49 @@ class Group:
         except Exception:  # noqa: BLE001  (a store without delete: the keys stay, harmless)
             pass
 
-    def _missed(self, store, base: str, gen: int, timeout: float, failing: bool = False):
-        """The failure of the previous check-in if one rank settled it as failed (it failed
-        before the load) less than ``timeout`` seconds ago and this rank had not arrived
-        yet: this rank is late for that load, which the others left at once; it stops too
-        rather than wait for them at the next check-in. Told once: its next call is a new
-        load. One store look-up on the success path.
+    def _missed(self, store, base: str, gen: int, timeout: float, failing: bool = False,
+                since: Optional[int] = None):
+        """The failure of a check-in decided without this rank that was this rank's load's,
+        or None. One store look-up on the success path.
 
-        A rank's own failure (``own``) may be a call it made alone: None if that rank
-        withdrew it (:meth:`_fate`): this rank's load is its next one. ``failing``: this
-        rank fails too; it joins that failure without waiting."""
-        if gen == 0:
+        * Decided since this rank's load began (``since`` < ``gen``: check-in ``since``; the
+          others stopped waiting for it, or one of them failed, while it was on its way):
+          that check-in's failure, or, if they gave up waiting, that it came too late.
+        * Else the previous check-in, if one rank settled it as failed (it failed before the
+          load) less than ``timeout`` seconds ago and this rank had not arrived yet: this
+          rank is late for that load, which the others left at once; it stops too rather
+          than wait for them at the next check-in. (A check-in the others gave up waiting on
+          before this load began is not this load's: this rank skipped it, and meets them
+          at their next one.)
+
+        Told once (this rank is marked arrived there): its next call is a new load.
+
+        A rank's own failure (``own``) may be a call it made alone: not this rank's if that
+        rank withdrew it (:meth:`_fate`): this rank's load is its next one. ``failing``:
+        this rank fails too; it joins that failure without waiting."""
+        late = since is not None and 0 <= since < gen
+        at = since if late else gen - 1
+        if at < 0:
             return None
-        prev = f"{base}/{gen - 1}"
+        prev = f"{base}/{at}"
         mine = f"{prev}/r{self.global_rank}"
         if store.check([mine]) or not store.check([f"{prev}/state"]):
             return None
         state = store.get(f"{prev}/state").decode()
         verdict = json.loads(state) if state.startswith("{") else {}
-        if "failed" not in verdict or time.time() - float(verdict.get("at", 0)) > timeout:
-            return None
-        if "own" in verdict and not failing and self._fate(store, prev, timeout) == "void":
-            return None
-        store.set(mine, json.dumps(_whoami()))
-        return verdict["failed"]
+        if "failed" in verdict:
+            if not late and time.time() - float(verdict.get("at", 0)) > timeout:
+                return None
+            if "own" in verdict and not failing and self._fate(store, prev, timeout) == "void":
+                # A call its rank made alone: that rank's next check-in is this load's; this
+                # rank may be late for that one too.
+                return self._missed(store, base, gen, timeout, failing, at + 1) if late else None
+            store.set(mine, json.dumps(_whoami()))
+            return verdict["failed"]
+        if late and self.global_rank in verdict.get("missing", ()):
+            store.set(mine, json.dumps(_whoami()))
+            return self._too_late(verdict, timeout)
+        return None
 
     def _fate(self, store, key: str, timeout: float) -> str:
         """(this rank, at check-in ``key``, which another rank's own call failing settled)
@@ -535,12 +582,17 @@ def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
 
     The groups check in one after another, each passing on an earlier group's failure, so a
     rank missing from one data-parallel group stops the model-parallel neighbours too.
+    Each group's count of check-ins is read first, when the load begins: a later group's
+    check-in that the others settle while this rank waits in an earlier one is this load's,
+    and this rank stops with it (:meth:`Group.check_in`'s ``since``) instead of leaving its
+    verdict where their next load would meet it.
     """
+    active = [g for g in groups if g.active and g.size > 1]
+    since = [g.generation() for g in active]
     failure = None
-    for g in groups:
-        if g.active and g.size > 1:
-            g.at(f"{what}: checking in")
-            failure = g.check_in(timeout, failure)
+    for g, began in zip(active, since):
+        g.at(f"{what}: checking in")
+        failure = g.check_in(timeout, failure, since=began)
     if failure is not None:
         raise DistributedLoadError(f"{what}: {failure['message']}",
                                    {int(r): m for r, m in failure["failures"].items()})

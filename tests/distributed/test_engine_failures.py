@@ -92,7 +92,7 @@ def _arrival_cases(rank: int, four) -> dict:
     import torch.distributed.tensor  # noqa: F401  (load_into imports it on first use: not the cost measured)
 
     import metaseq_oneload as mo
-    import metaseq_oneload._loading as engine
+    import metaseq_oneload._engine as engine
     from tests.conftest import FIXTURES, assert_matches_reference, reference_part, reference_weights
     from tests.tiny_metaseq import TinyMetaseqLM
 
@@ -178,7 +178,7 @@ def _killed_mid_load(rank: int, scenario: str, group, victim: int, tmp: str) -> 
 
     calls = {"n": 0}
 
-    def die(nbytes):
+    def die(done, total):
         calls["n"] += 1
         if calls["n"] == 3:
             with open(os.path.join(tmp, f"{scenario}.killed_at"), "w") as f:
@@ -266,7 +266,7 @@ def test_a_missing_rank_of_a_grid_stops_its_neighbours_of_both_groups(five):
 
 
 def test_a_late_rank_within_the_timeout_loads(five):
-    assert [r["late"]["ok"] for r in five["arrivals"]] == [True] * 4, five["arrivals"]
+    assert [r["late"]["ok"] for r in five["arrivals"]] == [True] * 4, [r["late"].get("message") for r in five["arrivals"]]
 
 
 def test_huge_messages_are_clipped_and_as_fast_as_a_load(five):
@@ -314,3 +314,120 @@ def test_arrival_timeout_comes_from_the_keyword_the_environment_or_the_default(m
         arrival_timeout()
     with pytest.raises(ValueError, match=r"arrival_timeout=0: expected a positive number of seconds"):
         mo.load_state_dict(FIXTURES / "singleton", arrival_timeout=0)
+
+
+# --------------------------------------------------------------------------- the check-in's interleavings, one process
+#
+# The arrival protocol (_dist.arrive -> Group.check_in) talks only through the store, so
+# the ranks of a 2x2 grid can be threads around one in-memory store, each step of the
+# interleaving forced by events rather than left to the machine's timing.
+
+
+def _grid_threads(store):
+    """Per rank of a 2x2 grid (data-parallel groups [0, 2], [1, 3]; model-parallel [0, 1],
+    [2, 3]), its (data-parallel, model-parallel) Group over ``store``; a Group's ``gate``,
+    when set, is waited for before its check-in, and ``entered`` is set on the way in."""
+    import threading
+
+    from metaseq_oneload._dist import Group
+
+    class StoreGroup(Group):
+        def __init__(self, members, me, role):  # no process group: the store is the whole protocol
+            self.group, self.role, self.step, self._arrival = None, role, "loading", None
+            self.active, self.rank, self.size, self.global_rank = True, members.index(me), len(members), me
+            self.device = torch.device("cpu")
+            self._members = tuple(members)
+            self.gate, self.entered = None, threading.Event()
+
+        def members(self):
+            return self._members
+
+        def _store(self):
+            return store
+
+        def check_in(self, *args, **kw):
+            self.entered.set()
+            if self.gate is not None:
+                assert self.gate.wait(30)
+            return super().check_in(*args, **kw)
+
+    dp, mp = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    return [(StoreGroup(dp[r % 2], r, "data-parallel"), StoreGroup(mp[r // 2], r, "model-parallel")) for r in FOUR]
+
+
+def _arrive_on_threads(grid, ranks, timeouts, before=None, done=None) -> dict:
+    """Each of ``ranks`` calls arrive on its own thread (``before[rank]``, if given, first:
+    an event to wait for, or seconds to sleep; ``done[rank]``, if given, an event set when
+    it returns); per rank, what it raised (None if nothing) and how long arrive took."""
+    import threading
+    import time
+
+    from metaseq_oneload._dist import arrive
+
+    out: dict = {}
+
+    def one(rank):
+        wait = (before or {}).get(rank)
+        if isinstance(wait, float):
+            time.sleep(wait)
+        elif wait is not None:
+            assert wait.wait(30)
+        t0 = time.perf_counter()
+        try:
+            arrive(grid[rank], timeouts[rank], "loading x")
+            out[rank] = (None, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001  (what each rank saw is the result)
+            out[rank] = (e, time.perf_counter() - t0)
+        finally:
+            if (done or {}).get(rank) is not None:
+                done[rank].set()
+
+    threads = {r: threading.Thread(target=one, args=(r,), daemon=True) for r in ranks}
+    for t in threads.values():
+        t.start()
+    for t in threads.values():
+        t.join(60)
+    assert sorted(out) == sorted(ranks), out  # no rank left waiting
+    return out
+
+
+@pytest.mark.parametrize("rank_3_absent", [True, False], ids=["rank_1_failing", "rank_1_slow"])
+def test_a_check_in_given_up_while_a_rank_waits_in_its_other_group_stays_with_that_load(rank_3_absent):
+    """The interleaving behind case (b) then (c) of five_ranks, forced: rank 1 is held in its
+    data-parallel check-in (waiting out an absent rank 3, or merely slow) until rank 0 has
+    given up on it in their model-parallel check-in. Rank 1 then learns at once that it
+    came too late (or stops with rank 3's absence) and leaves nothing for the next load: a
+    load of all four ranks right after works on every rank. (Before, rank 1 settled the
+    model-parallel check-in after the one rank 0 left with its data-parallel failure, and
+    rank 0 raised that failure, a load late, at its next load.)"""
+    import threading
+
+    import torch.distributed as d
+
+    grid = _grid_threads(d.HashStore())
+    rank_0_done = threading.Event()
+    grid[1][1].gate = rank_0_done  # rank 1's model-parallel check-in waits for rank 0 to give up on it
+    ranks = [0, 1, 2] if rank_3_absent else FOUR
+    timeouts = {0: 0.5, 1: 0.5, 2: 2.0, 3: 2.0}
+    # rank 0 starts once rank 1 is inside its load (its data-parallel check-in)
+    first = _arrive_on_threads(grid, ranks, timeouts, before={0: grid[1][0].entered}, done={0: rank_0_done})
+
+    said = {r: str(e) if e is not None else None for r, (e, _) in first.items()}
+    assert re.search(r"rank 1 of the model-parallel group \[0, 1\] did not arrive within arrival_timeout=0\.5s",
+                     said[0] or ""), said
+    if rank_3_absent:
+        assert re.search(r"rank 3 of the data-parallel group \[1, 3\] did not arrive", said[1] or ""), said
+        assert re.search(r"rank 3 of the model-parallel group \[2, 3\] did not arrive", said[2] or ""), said
+    else:
+        assert re.search(r"rank 1 arrived after the other ranks of the model-parallel group \[0, 1\] had stopped "
+                         r"waiting for it \(arrival_timeout=0\.5s\)", said[1] or ""), said
+        assert first[1][1] < 0.5 + 1.0, first[1]  # told at once, not after a wait of its own
+        assert said[2] is None and said[3] is None, said
+
+    # The next load of all four, rank 3 a little late: every rank arrives.
+    for g in grid:
+        for group in g:
+            group.gate = None
+    second = _arrive_on_threads(grid, FOUR, {r: 10.0 for r in FOUR}, before={3: 0.2})
+    assert {r: str(e) if e else None for r, (e, _) in second.items()} == {r: None for r in FOUR}, second
+    assert max(s for _, s in second.values()) < 5.0, second

@@ -183,10 +183,11 @@ def test_a_machine_short_of_memory_or_threads_is_not_called_a_bad_file_nor_a_bug
             continue
         if r.returncode == 0:
             continue
-        if r.returncode == 1 and "internal error" not in r.stderr and r.stderr.strip().endswith("MemoryError"):
+        if not r.stderr.strip() or (r.returncode == 1 and "internal error" not in r.stderr
+                                    and r.stderr.strip().endswith("MemoryError")):
             # So short that the interpreter itself failed while reporting (a MemoryError raised
-            # while handling a MemoryError, before any handler of ours could print): nothing
-            # a program can say then, and nothing mislabelled.
+            # while handling a MemoryError, before any handler of ours could print, or died
+            # with nothing printed at all): nothing a program can say then, and nothing mislabelled.
             starved.append(headroom_mib)
             continue
         failed.append((headroom_mib, r.stderr.strip().splitlines()[-1]))
