@@ -122,9 +122,12 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         progress, bar = progress_bar(opts.progress, total, dp.global_rank)
         for g in groups:
             g.at(f"loading {path}: reading")
+        advance = counting(progress, total)
         with bar:
             error, sums, moved = execute(part, dp, targets, wants, ranges, reader, opts.settings.shm_dir,
-                                         opts.verify, counting(progress, total))
+                                         opts.verify, advance)
+            if error is None and advance is not None:
+                advance.finish()
         settle(groups, error, f"loading {path}: reading")
         if opts.verify:
             for g in groups:

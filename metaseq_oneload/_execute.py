@@ -180,16 +180,26 @@ def stream(items: Sequence[ReadItem], targets: Mapping[str, TargetTensor], reade
 
 def counting(progress: Optional[Callable[[int, int], None]], total: int) -> Optional[Callable[[int], None]]:
     """(local) What the loops call with each landed piece's bytes: ``progress`` with (bytes
-    done so far, ``total``), the shape of every verb's callback."""
+    done so far, ``total``), the shape of every verb's callback. A loop may count bytes this
+    rank only passed on (the scatter's reader) or count them in the stored dtype; the count
+    is held to ``total``, and ``advance.finish()`` (after a load that succeeded) ends it
+    exactly there, so a callback never sees more than the total nor stops short of it."""
     if progress is None:
         return None
     done = 0
 
     def advance(nbytes: int) -> None:
         nonlocal done
-        done += nbytes
-        progress(done, total)
+        now = min(total, done + nbytes)
+        if now != done:
+            done = now
+            progress(done, total)
 
+    def finish() -> None:
+        if done < total:
+            advance(total - done)
+
+    advance.finish = finish
     return advance
 
 

@@ -617,8 +617,8 @@ def to_wire(part: PartPlan) -> bytes:
             return {"__t": type(x).__name__, **{f.name: enc(getattr(x, f.name)) for f in dataclasses.fields(x)}}
         if isinstance(x, (tuple, list)):
             return [enc(v) for v in x]
-        if isinstance(x, Mapping):
-            return {str(k): enc(v) for k, v in x.items()}
+        if isinstance(x, Mapping):  # its own tag: a key (a tensor's name) is data, never a type tag
+            return {"__m": [[str(k), enc(v)] for k, v in x.items()]}
         return x
 
     return json.dumps(enc(part), separators=(",", ":")).encode()
@@ -629,10 +629,11 @@ def from_wire(payload: bytes) -> PartPlan:
     def dec(x):
         if isinstance(x, list):
             return tuple(dec(v) for v in x)
+        if isinstance(x, dict) and set(x) == {"__m"}:
+            return {k: dec(v) for k, v in x["__m"]}
         if isinstance(x, dict):
-            kind = x.get("__t")
             fields = {k: dec(v) for k, v in x.items() if k != "__t"}
-            return _WIRE[kind](**fields) if kind is not None else fields
+            return _WIRE[x["__t"]](**fields)
         return x
 
     part = dec(json.loads(payload))

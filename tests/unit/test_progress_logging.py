@@ -49,3 +49,22 @@ def test_log_lines_never_break_the_bar():
     assert len(strategy) == 1 and strategy[0].startswith("LOG oneload: "), r.stderr
     assert len(warning) == 1 and warning[0].startswith("LOG mid-read warning"), repr(r.stderr)
     assert r.stderr.index("strategy=") < r.stderr.index("%|")  # logged before the bar was first drawn
+
+
+def test_a_load_s_progress_never_passes_its_total_and_ends_on_it():
+    """A loop may count bytes a rank only passes on (the scatter's reader) or in the stored
+    dtype (half an fp32 output's bytes from fp16): the callback still sees a rising count
+    held to the total, and the load's end brings it exactly there."""
+    from metaseq_oneload._execute import counting
+
+    seen = []
+    advance = counting(lambda done, total: seen.append((done, total)), 100)
+    for n in (30, 50, 60, 40):  # 180 counted: more than there is
+        advance(n)
+    assert seen == [(30, 100), (80, 100), (100, 100)]
+    short = []
+    advance = counting(lambda done, total: short.append(done), 100)
+    advance(50)  # counted in a dtype half the output's
+    advance.finish()
+    assert short == [50, 100]
+    assert counting(None, 100) is None
