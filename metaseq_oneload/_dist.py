@@ -419,7 +419,11 @@ class Group:
         self._arrival = key
         me = str(self.global_rank)
         store.set(f"{key}/r{me}", json.dumps(_whoami()))
-        arrived = store.add(f"{key}/n", 1)
+        # A rank that will not take part is never counted as arrived: counted, it could make a
+        # partner's count complete and that partner settle the check-in "ok" before this rank
+        # settles it as failed; the partner would then wait in the load's first collective for
+        # a rank that is gone (the hang of a 2x2 grid whose rank 3 failed before the load).
+        arrived = store.add(f"{key}/n", 1) if prior is None else 0
         state = None
         if prior is not None:
             # This rank will not take part: the others stop now, not after arrival_timeout.
