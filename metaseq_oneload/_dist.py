@@ -21,7 +21,15 @@ Two failures no exchange can carry, because a rank is not there to take part:
   is not left to that timeout: :func:`tell_failed` settles the check-in as failed at once,
   with its reason, and every other rank raises it within ``_RETURN_GRACE`` seconds (unless
   the failed rank checks in again meanwhile: then that call was one it made alone, and the
-  others' load goes on with it);
+  others' load goes on with it).
+  Each check-in is decided once, by whichever rank claims it first, and every rank holds
+  to these (each was a hang or a wrong verdict once, ``tests/unit/test_checkin_protocol.py``):
+  "ok" means every member will take part, so only a rank that will counts or marks itself
+  arrived before the verdict (a failing rank claims it first, then marks itself told); a
+  rank's check-ins are those of the group counters it read once when its call reached
+  :func:`arrive` or :func:`tell_failed`, never one decided later for the others' next load;
+  a rank's next load withdraws a failure of its own earlier call in every group before it
+  waits in any;
 * a rank that dies mid-load: the backend's own error (gloo's "Connection closed by peer")
   becomes a :class:`DistributedLoadError` that names the step and, where this host can
   tell, the rank whose process is gone (:meth:`Group.guard`).
@@ -141,6 +149,7 @@ class Group:
         self.role = role
         self.step = "loading"
         self._arrival: Optional[str] = None  # store key of this load's check-in
+        self._given: Optional[tuple] = None  # (store, members) of a group over a store alone (over_store)
         self.active = group is not None and dist.is_available() and dist.is_initialized()
         if self.active:
             if dist.get_rank(group) < 0:
@@ -157,8 +166,21 @@ class Group:
             self.rank, self.size, self.global_rank = 0, 1, 0
             self.device = torch.device("cpu")
 
+    @classmethod
+    def over_store(cls, store, members: Sequence[int], rank: int, role: str = "process") -> "Group":
+        """(local) Global rank ``rank`` of a group of ``members`` whose only channel is ``store``,
+        with no process group: the check-in protocol (:func:`arrive`, :func:`tell_failed`)
+        talks only through the store, so ranks can be threads around one store, each step of
+        an interleaving forced (the protocol's tests). Collectives are not available on it."""
+        g = cls(None, role)
+        g.active, g.rank, g.size, g.global_rank = True, list(members).index(rank), len(members), rank
+        g._given = (store, tuple(members))
+        return g
+
     def members(self) -> tuple:
         """Global ranks of the group (this rank alone without one)."""
+        if self._given is not None:
+            return self._given[1]
         if not self.active:
             return (self.global_rank,)
         return tuple(dist.get_process_group_ranks(self.group))
@@ -352,6 +374,8 @@ class Group:
 
     def _store(self):
         """The store every member of the group reaches (the group's, else the default one)."""
+        if self._given is not None:
+            return self._given[0]
         if not self.active:
             return None
         for get in (lambda: self.group.get_group_store(), lambda: dist.distributed_c10d._get_default_store()):
@@ -378,6 +402,20 @@ class Group:
             return int(store.add(f"{self._base()}/gen", 0))
         except Exception:  # noqa: BLE001  (check_in meets the same store and reports it)
             return None
+
+    def withdraw(self, gen: Optional[int]) -> None:
+        """(this rank, through the store) Its load begins, ``gen`` its :meth:`generation`:
+        withdraw a failure of its own earlier call that settled this group's check-in before
+        (:meth:`_withdraw`). :func:`arrive` does so in every group before it waits in any: a
+        rank waiting for that withdrawal in a later group must not wait out
+        :data:`_RETURN_GRACE` while this rank waits in an earlier one."""
+        store = self._store() if gen is not None and self.active and self.size > 1 else None
+        if store is None:
+            return
+        try:
+            self._withdraw(store, self._base(), gen)
+        except Exception as e:  # noqa: BLE001  (check_in meets the same store and reports it)
+            logger.debug("oneload: could not look for a failure of rank %s to withdraw: %s", self.global_rank, e)
 
     def check_in(self, timeout: float, prior: Optional[dict], own: bool = False,
                  since: Optional[int] = None) -> Optional[dict]:
@@ -418,29 +456,32 @@ class Group:
         key = f"{base}/{gen}"
         self._arrival = key
         me = str(self.global_rank)
-        store.set(f"{key}/r{me}", json.dumps(_whoami()))
-        # A rank that will not take part is never counted as arrived: counted, it could make a
-        # partner's count complete and that partner settle the check-in "ok" before this rank
-        # settles it as failed; the partner would then wait in the load's first collective for
-        # a rank that is gone (the hang of a 2x2 grid whose rank 3 failed before the load).
-        arrived = store.add(f"{key}/n", 1) if prior is None else 0
+        mark = f"{key}/r{me}"
         state = None
         if prior is not None:
             # This rank will not take part: the others stop now, not after arrival_timeout.
+            # It is neither counted nor marked as arrived until the check-in is decided: a
+            # partner whose count completed, or whose wait ended and who found every mark,
+            # would settle it "ok" and wait in the load's first collective for a rank that
+            # is gone (the hang of a 2x2 grid whose rank 3 failed before the load).
             verdict = {"failed": prior, "at": time.time()}
             if own:
                 verdict["own"] = self.global_rank  # its own call: maybe one it made alone
             state = self._resolve(store, base, gen, json.dumps(verdict))
-        elif arrived >= self.size:
-            state = self._resolve(store, base, gen, "ok")
+            store.set(mark, json.dumps(_whoami()))  # told (:meth:`_missed`)
         else:
-            try:
-                store.wait([f"{key}/state"], datetime.timedelta(seconds=timeout))
-            except Exception:  # noqa: BLE001  (the store's own timeout error)
-                missing = [r for r in members if not store.check([f"{key}/r{r}"])]
-                # Everyone may have come in the moment since the wait ended: then it is complete.
-                state = self._resolve(store, base, gen,
-                                      json.dumps({"missing": missing, "timeout": timeout}) if missing else "ok")
+            store.set(mark, json.dumps(_whoami()))
+            if store.add(f"{key}/n", 1) >= self.size:
+                state = self._resolve(store, base, gen, "ok")
+            else:
+                try:
+                    store.wait([f"{key}/state"], datetime.timedelta(seconds=timeout))
+                except Exception:  # noqa: BLE001  (the store's own timeout error)
+                    # Only a rank that takes part marks itself before the verdict: a mark is an arrival.
+                    missing = [r for r in members if not store.check([f"{key}/r{r}"])]
+                    # Everyone may have come in the moment since the wait ended: then it is complete.
+                    state = self._resolve(store, base, gen,
+                                          json.dumps({"missing": missing, "timeout": timeout}) if missing else "ok")
         if state is None:
             state = store.get(f"{key}/state").decode()
         if state == "ok":
@@ -589,10 +630,13 @@ def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
     Each group's count of check-ins is read first, when the load begins: a later group's
     check-in that the others settle while this rank waits in an earlier one is this load's,
     and this rank stops with it (:meth:`Group.check_in`'s ``since``) instead of leaving its
-    verdict where their next load would meet it.
+    verdict where their next load would meet it. A failure of this rank's own earlier call
+    is withdrawn in every group first (:meth:`Group.withdraw`), before it waits in any.
     """
     active = [g for g in groups if g.active and g.size > 1]
     since = [g.generation() for g in active]
+    for g, began in zip(active, since):
+        g.withdraw(began)
     failure = None
     for g, began in zip(active, since):
         g.at(f"{what}: checking in")
@@ -614,10 +658,10 @@ def tell_failed(groups: Sequence[Group], error: BaseException, timeout: Optional
         timeout = arrival_timeout(timeout)
     except Exception:  # noqa: BLE001  (the caller's arrival_timeout= may be what failed)
         timeout = DEFAULT_ARRIVAL_TIMEOUT
+    active = [g for g in groups if g.active and g.size > 1]
+    since = [g.generation() for g in active]  # once, as arrive does: this call's check-ins
     failure = None
-    for g in groups:
-        if not (g.active and g.size > 1):
-            continue
+    for g, began in zip(active, since):
         if failure is None:
             me = g.global_rank
             reason = clip(f"{type(error).__name__}: {error}")
@@ -626,7 +670,7 @@ def tell_failed(groups: Sequence[Group], error: BaseException, timeout: Optional
                                   "every rank.",
                        "failures": {str(me): reason}}
         try:
-            g.check_in(timeout, failure, own=True)
+            g.check_in(timeout, failure, own=True, since=began)
         except Exception as e:  # noqa: BLE001  (the store is gone too: the others find out by their timeout)
             logger.debug("oneload: could not tell the %s group that rank %s failed: %s", g.role, g.global_rank, e)
 

@@ -5,6 +5,7 @@ ties kept, and each rank's element range of a DTensor (FSDP2) shard."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable, List, Mapping
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from ._errors import StateDictMismatchError, cap_list
 from ._execute import Want
 
-__all__ = ["is_dtensor", "owner_of", "module_wants"]
+__all__ = ["is_dtensor", "owner_of", "dtensor_want", "module_wants"]
 
 
 def owner_of(module: torch.nn.Module, name: str) -> tuple:
@@ -25,14 +26,16 @@ def owner_of(module: torch.nn.Module, name: str) -> tuple:
 
 
 def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4
-        from torch.distributed._tensor import DTensor
-    return isinstance(t, DTensor)
+    # No DTensor exists until its module is imported: importing it here would cost a plain
+    # module's load_into half a second and more (seconds on a busy host) before its check-in.
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # torch < 2.4: the latter
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if cls is not None:
+            return isinstance(t, cls)
+    return False
 
 
-def _dtensor_want(name: str, t, post: list) -> Want:
+def dtensor_want(name: str, t, post: list) -> Want:
     """The element range of the global tensor this rank's DTensor shard holds."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -144,7 +147,7 @@ def module_wants(module: torch.nn.Module, path, entries: Mapping, strict: bool, 
                 continue
             t = fresh[n]
             if is_dtensor(t):
-                wants.append(_dtensor_want(n, t, post))
+                wants.append(dtensor_want(n, t, post))
                 continue
             data = t.data if isinstance(t, torch.nn.Parameter) else t
             if data.is_contiguous():
