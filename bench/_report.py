@@ -30,6 +30,13 @@ def proc_status(field: str) -> int:
     raise KeyError(field)
 
 
+def reset_peak() -> int:
+    """Reset this process's VmHWM to its current RSS (``/proc/self/clear_refs``); returns that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status("VmRSS")
+
+
 def proc_io() -> dict:
     """/proc/self/io: ``rchar``, ``read_bytes``, ... of this process so far."""
     with open("/proc/self/io") as f:

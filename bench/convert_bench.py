@@ -30,21 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-
-def _rss() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM", "VmRSS")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    return _rss()["VmRSS"]
+from bench._report import proc_status, reset_peak  # noqa: E402
 
 
 def _measure(method: str, src: str, dst: str, jobs: int) -> dict:
@@ -53,17 +39,22 @@ def _measure(method: str, src: str, dst: str, jobs: int) -> dict:
     import torch  # noqa: F401
     import metaseq_oneload._convert  # noqa: F401
 
-    start = _reset_peak()
+    start = reset_peak()
     t0 = time.perf_counter()
-    if method == "oneload":
+    if method in ("oneload", "oneload-nodigest"):
         from metaseq_oneload._convert import convert
 
+        if method == "oneload-nodigest":  # what recording the digests costs: the same run, nothing hashed
+            from metaseq_oneload._digest_record import WriteDigests
+
+            WriteDigests.tap = lambda self, part, shard=0: (lambda item, data: None)
+            WriteDigests.stored_digests = lambda self: {}
+            WriteDigests.canonical_digests = lambda self: None
         convert(src, dst, shards=3, jobs=jobs, overwrite=True, progress=False)
     else:
         _metaseq_style(src, dst)
     seconds = time.perf_counter() - t0
-    rss = _rss()
-    return {"seconds": seconds, "start": start, "peak": rss["VmHWM"]}
+    return {"seconds": seconds, "start": start, "peak": proc_status("VmHWM")}
 
 
 def _metaseq_style(src_prefix: str, dst_prefix: str, n: int = 3) -> None:
@@ -121,6 +112,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "out", "convert"), help="scratch folder")
     ap.add_argument("--keep", action="store_true", help="keep the files afterwards")
     ap.add_argument("--repeat", type=int, default=2, help="runs of each method; the table shows the fastest")
+    ap.add_argument("--digest-cost", action="store_true",
+                    help="also run convert without hashing the digests it records (their cost)")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
@@ -151,6 +144,9 @@ def main() -> None:
     cpus = os.cpu_count() or 1
     runs = [("oneload convert", "oneload", 1), ("oneload convert", "oneload", cpus),
             ("metaseq-style load-all", "metaseq", 1)]
+    if a.digest_cost:
+        runs[2:2] = [("oneload convert, no digests", "oneload-nodigest", 1),
+                     ("oneload convert, no digests", "oneload-nodigest", cpus)]
     best: dict = {}
     results = {}
     for rep in range(a.repeat):  # interleaved, best of: the machine may be shared
@@ -165,7 +161,7 @@ def main() -> None:
                 best[key] = dict(r, peak=max(r["peak"], best.get(key, r)["peak"]))
             print(f"  run {rep + 1}: {label} (jobs={jobs}): {r['seconds']:.1f} s, peak {human_bytes(r['peak'])}",
                   flush=True)
-    rows = [[label, jobs if method == "oneload" else "-", human_bytes(r["peak"]), human_bytes(r["peak"] - r["start"]),
+    rows = [[label, jobs if method.startswith("oneload") else "-", human_bytes(r["peak"]), human_bytes(r["peak"] - r["start"]),
              f"{r['seconds']:.1f} s"] for (label, method, jobs), r in best.items()]
     t0 = time.perf_counter()
     v1 = verify(results[("oneload", cpus)], src + ".pt", atol=0, rtol=0, progress=False)

@@ -10,7 +10,8 @@ Public API (everything else is private; docs/api.md describes each name's argume
     from_pretrained(model_cls, path, ...)        a Hugging Face model read once, sharded or not
     convert(path, dst, ...)                      rewrite a checkpoint in any layout, streaming
     consolidate(path, dst)                       one unflattened file
-    verify(path, other)                          compare two checkpoints of any layouts
+    verify(path, other)                          compare two checkpoints of any layouts (or one with a digest)
+    digest(path) -> DigestReport                 the content digest of a checkpoint, any layout
     export_hf(path, dst)                         a metaseq checkpoint as a Hugging Face OPT folder
     install() / uninstall() / installed()        route metaseq's and fairseq's loading through the engine
 
@@ -31,6 +32,7 @@ from ._errors import (
     CheckpointLayoutError,
     CheckpointNotFoundError,
     ConversionError,
+    DigestError,
     DistributedLoadError,
     MalformedCheckpointError,
     MissingRemoteExtraError,
@@ -64,6 +66,8 @@ _LAZY = {
     "verify": ("._verify", "verify"),
     "VerifyReport": ("._verify", "VerifyReport"),
     "TensorDiff": ("._verify", "TensorDiff"),
+    "digest": ("._digest_verb", "digest"),
+    "DigestReport": ("._digest_verb", "DigestReport"),
     "install": (".integrations", "install"),
     "uninstall": (".integrations", "uninstall"),
     "installed": (".integrations", "installed"),
@@ -87,6 +91,7 @@ __all__ = sorted(_LAZY) + [
     "RemoteStoreError",
     "RemoteObjectChangedError",
     "OutOfResourcesError",
+    "DigestError",
 ]
 
 # A literal: setup.cfg reads it (version = attr:) without importing the package.
@@ -101,6 +106,7 @@ if typing.TYPE_CHECKING:  # what _LAZY loads at run time, spelled out for mypy a
     from ._loading import LoadedCheckpoint, LoadReport, load_checkpoint, load_into, load_state_dict
     from ._loadplan import LoadPlan, plan_load
     from ._verify import TensorDiff, VerifyReport, verify
+    from ._digest_verb import DigestReport, digest
     from .integrations import install, installed, uninstall
 
 # Imported from a source checkout (the repository root first on sys.path), the package has

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from ._digest_record import WriteDigests, canonical_routes
 from ._errors import ConversionError, OneloadError, StateDictMismatchError
 from ._layout import CheckpointLayout, is_interpolation, raw_get, raw_keys
 from ._optim import (OptimizerPlan, carry_extra_state, flat_record, plan_optimizer, rank_state, rest_source,
@@ -41,12 +42,12 @@ from ._optim import (OptimizerPlan, carry_extra_state, flat_record, plan_optimiz
 from ._outputs import OutputSet, destination_error
 from ._plan import FlatStructure, flat_shard_range, flat_structure, plan_part
 from ._reading import RangeReader, load_object, read_header
+from .formats.huggingface import SIDECAR_FORMAT as _SIDECAR_FORMAT
 from ._writing import (Cancelled, Record, executor_chunks, storage_key, whole_record, write_json, write_safetensors,
                        write_torch)
 
 __all__ = ["SAVE_KEY", "KEEP_FLAT", "Output", "Conversion", "wrapping_metadata"]
 
-_SIDECAR_FORMAT = "metaseq-oneload/safetensors-sidecar/1"
 SAVE_KEY = "oneload_save"
 # How a note says to keep flat optimizer state (consolidate words it its own way).
 KEEP_FLAT = "keep the output flat, flat=True (CLI: --flat), to carry it"
@@ -218,7 +219,7 @@ class Conversion:
         self._objects: dict = {}
         # Sources that cannot be range-read (legacy, compressed) are read whole: through one
         # reader shared by all outputs (one job), so each is loaded once, not once per output.
-        self.read_whole = any(f.format not in ("zip", "safetensors") for f in layout.all_files)
+        self.read_whole = any(f.format not in ("zip", "safetensors", "distcp") for f in layout.all_files)
         self.shared_reader: Optional[RangeReader] = None
         self.targets = [plan_part(layout, model_parallel, m, qkv=qkv, dtype=dtype) for m in range(model_parallel)]
         buffers = set(layout.parts[0].buffer_names)
@@ -250,6 +251,32 @@ class Conversion:
         for m in range(model_parallel):
             self.notes += [n for n in carry_extra_state(extra, same_parts=self.same_parts,
                                                         same_weights=self.same_weights[m])[1] if n not in self.notes]
+        self.digests = self._plan_digests(dtype)
+        self.sidecars: dict = {}  # sidecar path -> its JSON, written once every output is (digests)
+
+    def _plan_digests(self, dtype: Optional[torch.dtype]) -> WriteDigests:
+        """What the writers hash as the bytes pass (:mod:`._digest_record`): every output
+        part's stored tensors (a tied name its source's bytes) and, for a one-part output, the
+        set's canonical tensors (what an MP=1 ``load_state_dict`` of it returns)."""
+        d = WriteDigests()
+        # A flat set's tensors outside its flat parameters (buffers) are whole in every shard file.
+        once = [set(t) - {x for g in self.structures[m].groups for x in g.names} if self.flat else set()
+                for m, t in enumerate(self.targets)]
+        for m, targets in enumerate(self.targets):
+            for n, t in targets.items():
+                d.route(m, t.alias_of or n, d.stored(m, n, t.dtype, t.shape, multi_part=self.M > 1),
+                        shard=0 if (t.alias_of or n) in once[m] else None)
+        if self.M > 1:
+            self.notes.append(f"content digest not recorded for {self.M} model parts (a row-parallel weight's rows "
+                              "span every part's file; the stored digests are recorded): `metaseq-oneload digest "
+                              "DST` computes it")
+        else:
+            uncovered = canonical_routes(d, plan_part(self.layout, 1, 0, dtype=dtype), self.targets[0], once=once[0])
+            if uncovered:
+                d.drop_canonical()
+                self.notes.append(f"no content digest recorded: the output does not hold {uncovered[0]} as an "
+                                  "MP=1 load returns it; `metaseq-oneload digest` computes it by reading the output")
+        return d
 
     def _plan_optimizer(self, drop_optimizer: bool, qkv: str, buffers: set) -> str:
         """Whether the optimizer state is "carried" (then ``self.optimizer`` and
@@ -420,6 +447,23 @@ class Conversion:
             SAVE_KEY: dict(self.save),  # also for a bare state dict, which cannot carry it itself
         }
 
+    def write_sidecars(self, outputs: OutputSet, digests: Optional[Mapping]) -> None:
+        """(local) The JSON sidecars of a safetensors output, once every file is written:
+        each with ``oneload_digest`` (its part's stored digests, the set's content digests)."""
+        for path, doc in self.sidecars.items():
+            if digests is not None:
+                part = doc["model_part"]
+                doc = {**doc, "oneload_digest": {
+                    "stored": {n: v for (m, n), v in sorted(digests["stored"].items())
+                               if m == part and n not in doc["tied"]},  # the file's own tensors
+                    **({"content": digests["content"]} if digests.get("content") else {})}}
+            try:
+                write_json(outputs.temp(path), doc)
+            except OSError as e:
+                if isinstance(e, OneloadError):
+                    raise
+                raise destination_error(path, e) from e
+
     def total_bytes(self) -> int:
         """Tensor bytes all outputs will hold (the progress bar's total, the disk check)."""
         total = 0
@@ -476,7 +520,7 @@ class Conversion:
         before = reader.bytes_read
         with contextlib.nullcontext(reader) if shared else reader:
             obj, records, entries, tied, meta = self.build(out.part, out.shard)
-            chunks = executor_chunks(self.sources(out.part), reader, chunk_bytes)
+            chunks = executor_chunks(self.sources(out.part), reader, chunk_bytes, tap=self.digests.tap(out.part, out.shard))
             tmp = outputs.temp(out.path)  # a ConversionError of its own if the folder refuses
             try:
                 if self.fmt == "torch":
@@ -486,7 +530,8 @@ class Conversion:
                     metadata = {"format": "pt", "metaseq_oneload": os.path.basename(out.sidecar),
                                 SAVE_KEY: json.dumps(self.save, sort_keys=True)}
                     n = write_safetensors(tmp, entries, metadata, chunks, progress=meter, cancel=cancel)
-                    write_json(outputs.temp(out.sidecar), self.sidecar(out.part, out.shard, obj, tied, out.path))
+                    with self._lock:  # written by write_sidecars, with the digests of every file
+                        self.sidecars[out.sidecar] = self.sidecar(out.part, out.shard, obj, tied, out.path)
             except OSError as e:
                 if isinstance(e, OneloadError):
                     raise

@@ -45,10 +45,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ._conversion import KEEP_FLAT, Conversion, Output, wrapping_metadata
-from ._errors import ConversionError, OptionError, OutputExistsError
+from ._digest_record import with_stored_digests
+from ._dcp_write import write_dcp
+from ._errors import ConversionError, DigestError, OptionError, OutputExistsError
 from ._layout import CheckpointLayout, FileName
 from ._options import check_option
-from ._outputs import OutputSet
+from ._outputs import OutputSet, local_destination
+from ._plan import plan_part
 from ._reading import RangeReader, read_header
 from ._verify import TensorDiff, VerifyReport, verify
 from ._writing import Cancelled, Meter
@@ -67,7 +70,7 @@ __all__ = [
     "OutputExistsError",
 ]
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "dcp")
 DTYPE_BY_NAME = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
                  "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _MiB = 1 << 20
@@ -101,6 +104,9 @@ class ConvertReport:
     chunk_bytes: int
     notes: tuple = field(default=())
     removed: tuple = field(default=())  # stale temporary files and replaced files of an older set
+    # The output's content (model) digest as recorded beside it (docs/digest.md), hashed while
+    # writing; None where not recorded (outputs of several model parts: see the notes).
+    digest: Optional[str] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,7 +133,7 @@ def _sidecar(path: str) -> str:
 
 
 def _resolve_dst(dst: "str | os.PathLike", layout: CheckpointLayout) -> str:
-    p = os.fspath(dst)
+    p = local_destination(dst)
     if p.endswith(os.sep) or os.path.isdir(p):
         p = os.path.join(p, os.path.basename(layout.prefix))
     for ext in (".pt", ".safetensors"):
@@ -215,8 +221,10 @@ def convert(
         flat: write fairscale flat-parameter shards with ``shard_metadata``. Default: flat
             when N > 1, or when the source is flat with the same N; unflattened otherwise.
             Unflattened outputs have one file per part (N must be 1).
-        format: "torch" (metaseq's files) or "safetensors" (weights as safetensors plus a
-            JSON sidecar of everything else; the optimizer state is dropped).
+        format: "torch" (metaseq's files), "safetensors" (weights as safetensors plus a
+            JSON sidecar of everything else; the optimizer state is dropped) or "dcp" (a
+            ``torch.distributed.checkpoint`` folder ``dst`` of the model's weights, ``shards``
+            files split along dim 0, default 1: :mod:`._dcp_write`).
         drop_optimizer: leave ``last_optimizer_state`` out.
         overwrite: replace existing destination files (and remove other files of an older
             checkpoint under the same prefix). A source file is never written over.
@@ -250,6 +258,12 @@ def convert(
     t0 = time.perf_counter()
     budget, dtype = _check_options(model_parallel=model_parallel, shards=shards, jobs=jobs, chunk_mb=chunk_mb,
                                    memory_budget=memory_budget, format=format, dtype=dtype)
+    if format == "dcp":  # a torch.distributed.checkpoint folder at dst (_dcp_write)
+        chunk, n_jobs = _sizes(budget, chunk_mb, jobs, shards or 1)
+        return ConvertReport(**write_dcp(path, dst, model_parallel=model_parallel, shards=shards, flat=flat,
+                                         wrapping=wrapping, dtype=dtype, qkv=qkv, overwrite=overwrite,
+                                         chunk_bytes=chunk, jobs=n_jobs, progress=progress, trust_pickle=trust_pickle),
+                             seconds=time.perf_counter() - t0)
     layout = discover(path, trust_pickle=trust_pickle)
     M, N, flat = _output_layout(layout, model_parallel, shards, flat, qkv, wrapping)
     prefix = _resolve_dst(dst, layout)
@@ -282,8 +296,11 @@ def convert(
         _check_space(prefix, finals, total_bytes)
         meter = Meter(progress, total_bytes, total_tensors, "convert")
         written, read = _write_all(conv, outs, outputs, chunk, n_jobs, meter)
+        recorded = _recorded_digests(conv)
+        if format == "safetensors":
+            conv.write_sidecars(outputs, recorded)
         outputs.commit()
-        index_problem = _write_index([o.path for o in outs], format)  # still under the destination's lock
+        index_problem = _write_index([o.path for o in outs], format, conv, recorded)  # still under the lock
     except BaseException:
         outputs.abort()
         raise
@@ -304,6 +321,7 @@ def convert(
         optimizer=conv.optimizer_status, bytes_written=written, bytes_read=read, tensors=total_tensors,
         seconds=time.perf_counter() - t0, jobs=n_jobs, chunk_bytes=chunk, notes=tuple(notes),
         removed=tuple(stale) + tuple(outputs.removed),
+        digest=(recorded.get("content") or {}).get("model") if recorded else None,
     )
 
 
@@ -409,10 +427,24 @@ def _write_all(conv: Conversion, outs: Sequence[Output], outputs: OutputSet, chu
     return sum(w for w, _ in results), sum(r for _, r in results)
 
 
-def _write_index(files: Sequence[str], format: str) -> Optional[str]:
+def _recorded_digests(conv: Conversion) -> Optional[dict]:
+    """(local) ``{"stored": {(part, name): digest}, "content": {...} or None}`` hashed while
+    the outputs were written, or None (and a note) if a tensor's bytes did not all pass."""
+    try:
+        content = conv.digests.canonical_digests()
+        if content is not None:
+            content["by"] = "metaseq-oneload convert"
+        return {"stored": conv.digests.stored_digests(), "content": content}
+    except DigestError as e:  # never a wrong claim: record none
+        conv.notes.append(f"no digests recorded: {e}")
+        return None
+
+
+def _write_index(files: Sequence[str], format: str, conv: Optional[Conversion] = None,
+                 recorded: Optional[dict] = None) -> Optional[str]:
     """Leave the index of a torch-format output beside it (formats/_index), so that loads
-    of it read no header; None when written, else why not (the output is complete without
-    one)."""
+    of it read no header, with the digests hashed while writing; None when written, else why
+    not (the output is complete without one)."""
     if format != "torch" or not files:
         return None
     from .formats import _index
@@ -420,7 +452,15 @@ def _write_index(files: Sequence[str], format: str) -> Optional[str]:
     try:
         written = discover(files[0])
         save = read_header(files[0]).get("oneload_save")
-        _index.write(written, save_id=save.get("save_id") if isinstance(save, Mapping) else None)
+        content = None
+        if recorded is not None and conv is not None:
+            written = with_stored_digests(written, recorded["stored"], conv.digests)
+            content = recorded["content"]
+            why = conv.digests.mismatch(plan_part(written, 1, 0)) if content else None
+            if why:  # recorded only where it describes what a load of the output returns
+                conv.notes.append(f"no content digest recorded: {why}")
+                content = recorded["content"] = None
+        _index.write(written, save_id=save.get("save_id") if isinstance(save, Mapping) else None, content=content)
     except Exception as e:  # the checkpoint itself is written and complete
         return f"no index written beside the output ({type(e).__name__}: {e}); loads read the headers instead"
     return None

@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ._digest_check import Hashing, check as check_digests, claims_missing, settle_digest, with_claims
 from ._dist import Group, PeerFailure, arrive, clip, settle, tell_left
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OptionError, StateDictMismatchError,
                       cap_list)
@@ -62,6 +63,7 @@ class LoadReport:
     bytes_out: int
     seconds: float
     verified: bool = False
+    digests_checked: int = 0  # verify="digest": stored tensors checked against their recorded digest
     bytes_received: int = 0  # from other ranks (parallel, broadcast)
     bytes_from_other_nodes: int = 0  # of bytes_received, what crossed between nodes
     bytes_sent: int = 0
@@ -109,6 +111,15 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
     if layout is None:
         layout, err = _discover_once(given, dp, mp, opts)
     topo, strategy = _agree_checkpoint(path, dp, mp, opts, flat, layout, err)
+    if opts.digest:  # before a byte is read: a set that records no digest cannot be checked
+        error = None
+        try:
+            layout = with_claims(layout)
+            error = claims_missing(layout, path)
+        except Exception as e:  # reported collectively
+            error = e
+        settle_digest(groups, error, f"loading {path}: finding the recorded digests")
+    checked = 0
     reader = (RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle, settings=opts.settings)
               if layout is not None else None)
     try:
@@ -123,13 +134,19 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         for g in groups:
             g.at(f"loading {path}: reading")
         advance = counting(progress, total)
+        hashing = Hashing(reader, layout) if opts.digest and layout is not None else None
         with bar:
-            error, sums, moved = execute(part, dp, targets, wants, ranges, reader, opts.settings.shm_dir,
-                                         opts.verify, advance)
+            error, sums, moved = execute(part, dp, targets, wants, ranges, hashing or reader, opts.settings.shm_dir,
+                                         opts.sums, advance)
             if error is None and advance is not None:
                 advance.finish()
         settle(groups, error, f"loading {path}: reading")
-        if opts.verify:
+        if opts.digest:
+            for g in groups:
+                g.at(f"loading {path}: checking digests")
+            error, checked = check_digests(dp, mp, layout, hashing, topo.readers, reader, path)
+            settle_digest(groups, error, f"loading {path}: checking digests")
+        if opts.sums:
             for g in groups:
                 g.at(f"loading {path}: verifying")
             error = _verify(dp, part, len(topo.readers) < topo.dp_size, targets, wants, sums, ranges, reader, opts)
@@ -146,7 +163,7 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         path=str(path), kind=plan.kind, saved_model_parallel=plan.saved_model_parallel, saved_shards=plan.saved_shards,
         saved_flat=plan.saved_flat, target_model_parallel=mp.size, target_world=dp.size, flat=flat,
         strategy=part.strategy, reason=part.reason, bytes_read=reader.bytes_read if reader is not None else 0,
-        bytes_out=total, seconds=time.perf_counter() - t0, verified=opts.verify,
+        bytes_out=total, seconds=time.perf_counter() - t0, verified=opts.sums, digests_checked=checked,
         warnings=layout.warnings if layout else (), bytes_received=moved.get("received", 0),
         bytes_from_other_nodes=moved.get("from_other_nodes", 0), bytes_sent=moved.get("sent", 0), plan=plan)
     return layout, targets, structure, report

@@ -83,6 +83,12 @@ class OptionError(OneloadError, ValueError):
     Raised before anything is read or written; a ValueError too, as a bad argument is."""
 
 
+class DigestError(OneloadError):
+    """A content digest could not be computed or did not match: a tensor's leaves were
+    missing or given twice (a digest is never guessed), or bytes disagree with a recorded
+    or given digest. The message names the tensor, and the file where one is known."""
+
+
 class MissingRemoteExtraError(OneloadError, ImportError):
     """A URL was given, and fsspec or its protocol's package is not installed: a refusal
     (the command line's exit 2), an ImportError too for callers that catch that."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import os
 import pickle
 import warnings
 import zipfile
@@ -569,6 +570,18 @@ def _cached_header(key: tuple, trust_pickle: bool) -> Any:
     return obj
 
 
+def dcp_data_file(path: Any) -> bool:
+    """(local) Whether ``path`` is a data file of a DCP folder: named ``*.distcp`` with a
+    ``.metadata`` beside it. A lone ``model.distcp`` (a plain torch.save under that name)
+    is read as any file. An object store's ``*.distcp`` is taken by its name (no request)."""
+    path = str(path)
+    if not path.endswith(".distcp"):
+        return False
+    if _storage.is_url(path):
+        return True
+    return os.path.isfile(os.path.join(os.path.dirname(path), ".metadata"))
+
+
 def read_header(path: str, *, trust_pickle: bool = False) -> Any:
     """(any rank, local) The file's pickled object with every tensor on ``meta``.
 
@@ -590,6 +603,11 @@ def read_header(path: str, *, trust_pickle: bool = False) -> Any:
             tensor reaches past its storage. The message names the file and the tensor.
         UnsafeCheckpointError: the pickle needs a class outside the allowlist.
     """
+    if dcp_data_file(path):
+        # A torch.distributed.checkpoint data file: items only, described by the folder's
+        # .metadata (formats/dcp.py); what callers ask of a file's header (cfg, optimizer
+        # state, extra_state) it holds none of.
+        return {}
     try:
         key = stat_key(path)
     except OSError as e:

@@ -39,8 +39,9 @@ from ._errors import ConversionError, OneloadError, OutputExistsError, Unsupport
 from ._hf_opt import OPTExportPlan, OPTTensor, parse_size, plan_opt, shard_files
 from ._layout import CheckpointLayout
 from ._options import check_option
-from ._outputs import make_temp, source_clash, stale_temps
+from ._outputs import local_destination, make_temp, source_clash, stale_temps
 from ._reading import RangeReader
+from ._digest_record import ExportDigests
 from ._writing import Meter, executor_chunks, whole_record, write_json, write_safetensors
 from .formats import discover
 from .formats._torchsave import scan
@@ -71,6 +72,11 @@ class HFExport:
     seconds: float
     config: Mapping
     warnings: tuple = field(default=())
+    # Recorded in every file's ``__metadata__`` (docs/digest.md): the model digest of the
+    # exported tensors ("oneload.digest") and the source's content digest, metaseq names and
+    # fused qkv_proj ("oneload.source_digest"; None where the export's bytes are not the source's).
+    digest: Optional[str] = None
+    source_digest: Optional[str] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -363,7 +369,7 @@ def export_hf(
     t0 = time.perf_counter()
     check_option("chunk_mb", chunk_mb)
     parse_size(max_shard_size)  # a bad size is refused before anything is read
-    dst = os.path.abspath(os.fspath(dst))
+    dst = os.path.abspath(local_destination(dst))
     layout = path if isinstance(path, CheckpointLayout) else discover(path, trust_pickle=trust_pickle)
     sources = _source_paths(layout, path)
     _refuse_source(dst, sources)
@@ -388,7 +394,7 @@ def export_hf(
     tmp = None  # ours to remove, once made
     try:
         tmp = make_temp(dst, folder=True, kind=_TMP)
-        _write_folder(tmp, plan, files, max(1 << 16, int(chunk_mb * (1 << 20))), trust_pickle, meter)
+        digests = _write_folder(tmp, plan, files, max(1 << 16, int(chunk_mb * (1 << 20))), trust_pickle, meter)
         notes += _move_into_place(tmp, dst, overwrite, source_ids)
         tmp = None
     except OSError as e:
@@ -416,24 +422,38 @@ def export_hf(
         total_bytes=plan.total_bytes,
         seconds=time.perf_counter() - t0,
         config=plan.config,
-        warnings=plan.warnings + tuple(layout.warnings) + tuple(notes),
+        warnings=plan.warnings + tuple(layout.warnings) + tuple(notes) + digests.notes,
+        digest=digests.model,
+        source_digest=digests.source_digest,
     )
 
 
 def _write_folder(tmp: str, plan: OPTExportPlan, files: list, chunk_bytes: int, trust_pickle: bool,
-                  meter: Meter) -> None:
+                  meter: Meter) -> ExportDigests:
     """(local) The export's files into the folder ``tmp``: each tensor the one read item of
-    its planned metaseq tensor, carried out by the executor into its safetensors file."""
+    its planned metaseq tensor, carried out by the executor into its safetensors file, and
+    hashed on the way (:class:`ExportDigests`); each file's header, with the digests, last."""
     metadata = {"format": "pt", "source": plan.layout.display_name, "converted_by": "metaseq-oneload export-hf"}
     sources = {t.name: t.source for t in plan.tensors}
-    with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
-        chunks = executor_chunks(sources, reader, chunk_bytes)
-        for name, group in files:
-            entries = [(t.name, t.shape, t.dtype, whole_record(t.name, t.source)) for t in group]
-            write_safetensors(os.path.join(tmp, name), entries, metadata, chunks, progress=meter)
+    digests = ExportDigests(plan)
+    late: list = []
+    try:
+        with RangeReader(chunk_bytes=chunk_bytes, trust_pickle=trust_pickle) as reader:
+            chunks = executor_chunks(sources, reader, chunk_bytes, tap=digests.tap)
+            for name, group in files:
+                entries = [(t.name, t.shape, t.dtype, whole_record(t.name, t.source)) for t in group]
+                write_safetensors(os.path.join(tmp, name), entries, {**metadata, **digests.placeholder(group)}, chunks,
+                                  progress=meter, late=late)
+            digests.finish(reader, chunk_bytes)
+        for header, (name, group) in zip(late, files):
+            header.finish({**metadata, **digests.metadata(group)})
+    finally:
+        for header in late:
+            header.close()
     if len(files) > 1:
         write_json(os.path.join(tmp, "model.safetensors.index.json"),
-                   {"metadata": {"total_size": plan.total_bytes},
+                   {"metadata": {"total_size": plan.total_bytes, **digests.folder_metadata()},
                     "weight_map": {t.name: name for name, group in files for t in group}})
     write_json(os.path.join(tmp, "config.json"), plan.config)
     _fsync_dir(tmp)
+    return digests

@@ -35,7 +35,7 @@ import shlex
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._errors import CheckpointNotFoundError, OneloadError
 
@@ -91,8 +91,10 @@ class OneloadConfig:
     # (common_eval.path, else checkpoint.restore_file in checkpoint.save_dir, else
     # checkpoint.finetune_from_model). A folder, any file of the set or the un-suffixed name.
     path: Optional[str] = None
-    # Also compare what was loaded with torch's own reading of the files (one more read).
-    verify: bool = False
+    # true: also compare what was loaded with torch's own reading of the files (one more
+    # read); "digest": check the bytes read against the content digests the set's index
+    # records (docs/digest.md); false: neither.
+    verify: Union[bool, str] = False
     # Broadcast bucket size in MiB: the peak extra memory on every rank when broadcasting.
     bucket_mb: float = 256.0
     # Fill model_parallel_size, checkpoint_shard_count, use_sharded_state and ddp_backend
@@ -112,9 +114,10 @@ class OneloadConfig:
             raise ValueError(f"oneload.path={self.path!r}: expected a checkpoint path or null.")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise ValueError(f"oneload.bucket_mb={self.bucket_mb!r}: expected a positive number of MiB.")
-        for name in ("verify", "fill_cfg"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"oneload.{name}={getattr(self, name)!r}: expected true or false.")
+        if not isinstance(self.verify, bool) and self.verify != "digest":
+            raise ValueError(f"oneload.verify={self.verify!r}: expected true, false or digest.")
+        if not isinstance(self.fill_cfg, bool):
+            raise ValueError(f"oneload.fill_cfg={self.fill_cfg!r}: expected true or false.")
 
     @property
     def enabled(self) -> bool:
@@ -131,6 +134,10 @@ OneloadStrategy.__str__ = lambda self: self.value  # f"{strategy}" reads "auto",
 def _schema_field(f: "dataclasses.Field") -> tuple:
     if f.name == "strategy":
         return f.name, OneloadStrategy, field(default=OneloadStrategy(f.default))
+    if f.name == "verify":
+        # true, false or "digest": OmegaConf has no bool-or-str node, so the value composes
+        # untyped and OneloadConfig's __post_init__ refuses anything else in to_config.
+        return f.name, Any, field(default=f.default)
     return f.name, f.type, field(default=f.default)
 
 

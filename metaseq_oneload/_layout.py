@@ -131,6 +131,9 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple
     extents: tuple  # of Extent, covering the flattened tensor in order
+    # The stored digest the set's index records for it (``_digest``): a claim, checked against
+    # the bytes by a load with ``verify="digest"``, never used to skip a check.
+    digest: Optional[str] = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -202,8 +205,9 @@ class CheckpointLayout:
 
     @property
     def shards_per_part(self) -> int:
-        # A Hugging Face set spreads one state dict over files; they are not FSDP shards.
-        return 1 if self.flavor == "huggingface" else len(self.files[0])
+        # A Hugging Face set, or a DCP folder (one .distcp per writing rank), spreads one state
+        # dict over files; they are not FSDP shards.
+        return 1 if self.flavor in ("huggingface", "dcp") else len(self.files[0])
 
     @property
     def flat(self) -> bool:

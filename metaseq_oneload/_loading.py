@@ -59,6 +59,7 @@ from ._errors import StateDictMismatchError
 from ._execute import Want
 from ._into import is_dtensor, module_wants
 from ._layout import CheckpointLayout
+from ._optim_into import prepare as prepare_optimizer
 from ._options import Options, Progress
 from ._plan import FlatStructure, TargetTensor, qkv_naming
 
@@ -177,7 +178,7 @@ def load_checkpoint(
     shard_metadata: Optional[Mapping] = None,
     bucket_mb: float = 256,
     chunk_mb: float = 64,
-    verify: bool = False,
+    verify: "bool | str" = False,
     dtype: Optional[torch.dtype] = None,
     device: "str | torch.device" = "cpu",
     qkv: str = "auto",
@@ -223,7 +224,7 @@ def load_state_dict(
     shard_metadata: Optional[Mapping] = None,
     bucket_mb: float = 256,
     chunk_mb: float = 64,
-    verify: bool = False,
+    verify: "bool | str" = False,
     dtype: Optional[torch.dtype] = None,
     device: "str | torch.device" = "cpu",
     qkv: str = "auto",
@@ -254,8 +255,12 @@ def load_state_dict(
             wrapping, i.e. fairscale's ``model.local_metadata_dict()``.
         bucket_mb: broadcast bucket size (peak extra memory of every rank when broadcasting).
         chunk_mb: staging size for dtype/device conversion and model-parallel column blocks.
-        verify: also compare per-tensor sums of what was loaded with torch's own
-            (memory-mapped) reading of the source; costs one more read.
+        verify: True: also compare per-tensor sums of what was loaded with torch's own
+            (memory-mapped) reading of the source; costs one more read. ``"digest"``: check
+            every stored tensor the load reads against the digest recorded beside the set
+            (by ``convert``/``consolidate``), hashing the bytes as they are read (no byte
+            read twice); a mismatch raises :class:`DigestError` on every rank, naming the
+            tensor and the file; a set with no recorded digest raises it before reading.
         dtype: cast to this dtype (default: as stored).
         device: where the returned tensors live.
         qkv: "auto" (fuse split k/v/q for metaseq checkpoints), "fused", "split" or "keep".
@@ -280,6 +285,8 @@ def load_state_dict(
         DistributedLoadError: on every rank, when any rank failed, did not arrive within
             ``arrival_timeout``, or was lost mid-load (the backend's error is the cause).
         StateDictMismatchError: the requested target does not fit the checkpoint.
+        DigestError: ``verify="digest"``: a tensor's bytes do not match the recorded digest,
+            or the set records none.
 
     Example::
 
@@ -337,13 +344,14 @@ def load_into(
     device: "str | torch.device | None" = None,
     bucket_mb: float = 256,
     chunk_mb: float = 64,
-    verify: bool = False,
+    verify: "bool | str" = False,
     qkv: Optional[str] = None,
     rules: Optional[Mapping[str, str]] = None,
     trust_pickle: bool = False,
     progress: Progress = None,
     arrival_timeout: Optional[float] = None,
     no_dist: bool = False,
+    optimizer: Optional["torch.optim.Optimizer"] = None,
 ) -> LoadReport:
     """(collective over the groups given) Fill ``module``'s parameters and buffers in place.
 
@@ -358,6 +366,15 @@ def load_into(
     first few; without it, only wrongly shaped ones do and the rest is skipped.
     Other arguments as for :func:`load_state_dict` (``arrival_timeout`` included).
 
+    With ``optimizer`` (a torch optimizer built over ``module``'s parameters, after it is
+    materialised or sharded), its state is filled too, from a ``torch.distributed.checkpoint``
+    folder saved with ``get_state_dict(model, optim)``: each state tensor is read in the same
+    load as the weights and placed as its parameter is (resharded onto any world), the
+    ``param_groups`` read as plain data only, and the result handed to torch's
+    ``set_optimizer_state_dict``. A checkpoint without optimizer state raises
+    :class:`OptionError`, and so does a metaseq or fairseq set's trainer state (resume those
+    through :func:`install`).
+
     Returns:
         The :class:`LoadReport` (strategy, bytes read, time).
     """
@@ -365,6 +382,10 @@ def load_into(
         entries, process_group, device, opts, dp, mp = _prepare_into(
             module, process_group, model_parallel_group, strategy, device, bucket_mb, chunk_mb, verify, qkv, rules,
             trust_pickle, progress, arrival_timeout, no_dist)
+        source, optim = path, None
+        if optimizer is not None:  # the folder described here, its optimizer state as shadows
+            source, optim = prepare_optimizer(path, optimizer, model_parallel=mp.size, strict=strict,
+                                              trust_pickle=trust_pickle)
     except BaseException as e:
         _tell_failed(e, process_group, model_parallel_group, no_dist, module, timeout=arrival_timeout)
         raise
@@ -372,9 +393,13 @@ def load_into(
     unloaded: list = []
     materialize_on = torch.device(device) if device is not None else torch.device("cpu")
     make_wants = module_wants(module, path, entries, strict, materialize_on, post, unloaded)
-    _, _, _, report = run(path, dp, mp, opts, False, None, make_wants)
+    if optim is not None:
+        make_wants = optim.wrap(module, optimizer, post, make_wants)
+    _, _, _, report = run(source, dp, mp, opts, False, None, make_wants)
     with torch.no_grad():
         for fn in post:
             fn()
+    if optim is not None:
+        optim.finish(module, optimizer)
     return dataclasses.replace(report, unloaded=tuple(unloaded))
 

@@ -28,7 +28,9 @@ class Options:
     strategy: str = "auto"
     bucket_mb: float = 256
     chunk_mb: float = 64
-    verify: bool = False
+    # False; True: compare sums with torch's own reading of the files; "digest": check every
+    # stored tensor read against the digest recorded beside the set (``_digest_check``).
+    verify: Union[bool, str] = False
     trust_pickle: bool = False
     qkv: str = "auto"
     rules: Optional[Mapping] = None
@@ -50,6 +52,21 @@ class Options:
             raise OptionError(f"strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}.")
         check_option("bucket_mb", self.bucket_mb)
         check_option("chunk_mb", self.chunk_mb)
+        if not (self.verify is None or self.verify == "digest"
+                or (not isinstance(self.verify, str) and self.verify in (0, 1))):
+            raise OptionError(f"verify={self.verify!r}: expected False, True (compare "
+                              "sums with torch's own reading) or \"digest\" (check the recorded digests). Nothing "
+                              "was read.")
+
+    @property
+    def sums(self) -> bool:
+        """verify=True: compare per-tensor sums with torch's own reading of the files."""
+        return not isinstance(self.verify, str) and bool(self.verify)
+
+    @property
+    def digest(self) -> bool:
+        """verify="digest": check what is read against the set's recorded digests."""
+        return self.verify == "digest"
 
     @property
     def bucket_bytes(self) -> int:

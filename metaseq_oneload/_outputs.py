@@ -45,7 +45,8 @@ import threading
 import time
 from typing import Iterable, Mapping, Optional, Sequence
 
-from ._errors import ConversionError, OutputExistsError, cap_list
+from ._errors import ConversionError, OptionError, OutputExistsError, cap_list
+from ._storage import is_url
 
 __all__ = [
     "OutputSet",
@@ -391,6 +392,20 @@ def interrupted_commit(directory: str, prefix: str) -> Optional[str]:
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 
 
+def local_destination(dst: "str | os.PathLike") -> str:
+    """(local) ``dst`` as given, once it is sure to name a local (or mounted) path.
+
+    Raises:
+        OptionError: ``dst`` is an object-store URL. Made absolute, ``s3://b/x`` would become
+            a local folder named ``s3:`` beside the caller.
+    """
+    dst = os.fspath(dst)
+    if is_url(dst):
+        raise OptionError(f"{dst}: outputs are written to a local (or mounted) folder, not to an object store; "
+                          "write them there, then copy the files to the store.")
+    return dst
+
+
 class OutputSet:
     """(local, one process) The files of one conversion, all or nothing.
 
@@ -404,6 +419,8 @@ class OutputSet:
 
     def __init__(self, finals: Sequence[str], *, overwrite: bool, protected: Iterable[str] = (),
                  replaces: Sequence[str] = (), lock: Optional[str] = None):
+        for f in finals:
+            local_destination(f)
         self.finals = [os.path.abspath(f) for f in finals]
         self.overwrite = overwrite
         self.replaces = [os.path.abspath(f) for f in replaces if os.path.abspath(f) not in self.finals]

@@ -50,7 +50,14 @@ def _target_placement(canonical: str, global_shape: tuple, part: int, nparts: in
         return Placement(canonical, 0, ((0, split[1] * e + part * n, n),), global_shape)
     probe = place(name, _local_shape_guess(name, global_shape, nparts, rules), part, nparts, rules,
                   fuse_split_qkv=False)
-    assert probe is not None
+    if probe is None:
+        # A one-part checkpoint lists every tensor as placed (nothing to merge), so the
+        # unknown-rule check of the caller cannot see this one: it shows when splitting.
+        raise CheckpointLayoutError(
+            f"{name}: no model-parallel split rule is known for this tensor {list(global_shape)}, so it cannot "
+            f"be split over {nparts} model-parallel parts. Keep the saved model-parallel size, or (Python API, "
+            "loads) pass rules={'<name suffix>': 'column'|'row'|'replicated'|'qkv'} for it."
+        )
     if probe.global_shape != tuple(global_shape):
         raise CheckpointLayoutError(
             f"{name}: global shape {tuple(global_shape)} does not split over {nparts} model-parallel "

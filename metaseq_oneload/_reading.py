@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from . import _header, _storage
+from ._dcp_items import chunk_tensor, data_spans, vouched_spans
 from ._errors import CheckpointLayoutError
 from ._header import read_header
 from ._settings import LOAD, Settings, from_env
@@ -66,6 +67,8 @@ def load_object(path: str, *, trust_pickle: bool = False, mmap: bool = True, exc
     """(any rank, local) ``torch.load`` of the whole file onto CPU, memory-mapped where the
     format allows (pages are read only when touched), through the same allowlist.
     ``exclude``: top-level keys left out (an object store's file then never fetches them)."""
+    if _header.dcp_data_file(path):  # items only, each its own archive (_dcp_items): no object of its own
+        return {}
     # The header's checks first: a memory-mapped torch.load takes each record's bytes
     # without comparing its size to the storage's.
     header = read_header(path, trust_pickle=trust_pickle)
@@ -143,6 +146,12 @@ class Extent:
 
 
 _PAGE = 4096
+
+
+def _inside(spans: tuple, offset: int, n: int) -> bool:
+    """Whether bytes ``offset .. offset+n`` lie inside one of the sorted (starts, ends)."""
+    i = bisect.bisect_right(spans[0], offset) - 1
+    return i >= 0 and offset + n <= spans[1][i]
 _MIN_PIECE = 1 << 20  # below this a read is not worth a thread hand-off
 
 
@@ -189,6 +198,7 @@ class RangeReader:
         self._objects: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._spans: dict = {}
+        self._vouched: set = set()  # paths whose spans another rank checked (_dcp_items.vouch)
         self._pool = None
         self._pool_pid = None
         self._bounce = threading.local()
@@ -226,6 +236,7 @@ class RangeReader:
         self._direct_fds.clear()
         self._objects.clear()
         self._spans.clear()
+        self._vouched.clear()
 
     def _fd(self, path: str) -> int:
         with self._lock:
@@ -343,7 +354,13 @@ class RangeReader:
         """(starts, ends) of the storage records of a torch zip, sorted; None for other files."""
         if path not in self._spans:
             spans = None
-            if not path.endswith(".safetensors") and file_kind(path) == "zip":
+            if _header.dcp_data_file(path):  # one torch.save archive per item, as the .metadata places them
+                spans = vouched_spans(path)
+                if spans is not None:
+                    self._vouched.add(path)
+                else:
+                    spans = data_spans(path)
+            elif not path.endswith(".safetensors") and file_kind(path) == "zip":
                 index = zip_index(stat_key(path))
                 recs = sorted((r.data_offset, r.data_offset + r.size) for r in index.records.values()
                               if r.name.startswith("data/") and r.stored)
@@ -351,26 +368,34 @@ class RangeReader:
             self._spans[path] = spans
         return self._spans[path]
 
-    def _pread(self, path: str, offset: int, out: torch.Tensor) -> None:
+    def _pread(self, path: str, offset: int, out: torch.Tensor, sink=None) -> None:
         view = _writable_buffer(out)
         spans = self._record_spans(path)
+        if spans is not None and path in self._vouched and not _inside(spans, offset, len(view)):
+            # the describing rank vouched for the chunks of its layout only: parse the items
+            self._vouched.discard(path)
+            spans = self._spans[path] = data_spans(path)
         if spans is not None:  # every read lies inside one storage record, whatever computed it
-            i = bisect.bisect_right(spans[0], offset) - 1
-            if i < 0 or offset + len(view) > spans[1][i]:
+            if not _inside(spans, offset, len(view)):
                 raise CheckpointLayoutError(
                     f"{path}: asked to read bytes {offset}..{offset + len(view)}, which do not lie inside one "
                     "tensor record of the file (its header and the layout disagree, or the file changed since "
                     "it was inspected). Nothing was loaded from it; inspect the checkpoint again.")
         pieces = self._pieces(offset, len(view))
+        # ``sink(at, bytes)`` sees each piece on the thread that read it, as it lands (the
+        # digest check hashes there, while the other pieces are still being read).
+        read = self._read_piece
+        if sink is not None:
+            read = lambda p, o, v: _sunk(sink, o - offset, v, self._read_piece(p, o, v))  # noqa: E731
         if len(pieces) == 1:
-            got = [self._read_piece(path, offset, view)]
+            got = [read(path, offset, view)]
         else:
             import concurrent.futures
 
             pool = self._executor()
-            futures = [pool.submit(self._read_piece, path, offset + a, view[a:b]) for a, b in pieces[1:]]
+            futures = [pool.submit(read, path, offset + a, view[a:b]) for a, b in pieces[1:]]
             try:  # this thread reads the first piece itself: one hand-off fewer per read
-                first = self._read_piece(path, offset, view[: pieces[0][1]])
+                first = read(path, offset, view[: pieces[0][1]])
             finally:  # every piece finishes before anything is raised: they write into ``out``
                 concurrent.futures.wait(futures)
             got = [first] + [f.result() for f in futures]
@@ -393,6 +418,12 @@ class RangeReader:
                 with safe_open(ext.path, framework="pt") as handle:
                     cached = self._objects[(ext.path, ext.key)] = handle.get_tensor(ext.key).reshape(-1)
             return cached[ext.elem_offset: ext.elem_offset + ext.numel]
+        if _header.dcp_data_file(ext.path):  # the chunk's own torch.save archive, loaded on its own
+            cached = self._objects.get((ext.path, ext.key))
+            if cached is None:
+                self._objects = {k: v for k, v in self._objects.items() if not isinstance(k, tuple)}
+                cached = self._objects[(ext.path, ext.key)] = chunk_tensor(ext.path, ext.key)
+            return cached[ext.elem_offset: ext.elem_offset + ext.numel]
         obj = self._objects.get(ext.path)
         if obj is None:
             # Memory-mapped where the format allows; a legacy (pre-1.6) file cannot be, so it
@@ -405,23 +436,30 @@ class RangeReader:
             t = t[part]
         return t.reshape(-1)[ext.elem_offset: ext.elem_offset + ext.numel]
 
-    def read_extent(self, ext: Extent, start: int, out: torch.Tensor, dtype: torch.dtype) -> None:
+    def read_extent(self, ext: Extent, start: int, out: torch.Tensor, dtype: torch.dtype, sink=None) -> None:
         """Fill 1-D ``out`` with elements ``start .. start+len(out)`` of ``ext`` (stored as
-        ``dtype``), converting dtype/device as needed."""
+        ``dtype``), converting dtype/device as needed. ``sink(at, bytes)``, if given, is
+        handed the stored bytes read, ``at`` bytes after those of element ``start``, as
+        they land (before any cast)."""
         n = out.numel()
         if n == 0:
             return
         if ext.byte_offset is None:
-            out.copy_(self._object_tensor(ext)[start: start + n])
+            src = self._object_tensor(ext)[start: start + n]
+            if sink is not None:
+                src = src.contiguous()
+                sink(0, _writable_buffer(src))
+            out.copy_(src)
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         offset = ext.byte_offset + start * itemsize
         if out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous():
-            self._pread(ext.path, offset, out)
+            self._pread(ext.path, offset, out, sink)
             return
-        self._staged(ext.path, offset, out, dtype, itemsize)
+        self._staged(ext.path, offset, out, dtype, itemsize, sink)
 
-    def _staged(self, path: str, offset: int, out: torch.Tensor, dtype: torch.dtype, itemsize: int) -> None:
+    def _staged(self, path: str, offset: int, out: torch.Tensor, dtype: torch.dtype, itemsize: int,
+                sink=None) -> None:
         """Read through staging buffers of at most ``chunk_bytes`` each, then copy (and cast)
         into ``out``. Onto CUDA: two pinned buffers, each copy to the device issued without
         waiting (``non_blocking``), so the read of the next chunk runs while the last one
@@ -440,7 +478,8 @@ class RangeReader:
                 if done[b] is not None:
                     done[b].synchronize()
                 buf = bufs[b][: hi - lo]
-                self._pread(path, offset + lo * itemsize, buf)
+                self._pread(path, offset + lo * itemsize, buf,
+                            None if sink is None else (lambda at, v, base=lo * itemsize: sink(base + at, v)))
                 out[lo:hi].copy_(buf, non_blocking=cuda)
                 if cuda:
                     done[b] = torch.cuda.Event()
@@ -454,6 +493,13 @@ class RangeReader:
         """The same elements through ``torch.load(mmap=True)``: an independent path used by
         ``verify=True`` to check the byte arithmetic of :meth:`read_extent`."""
         return self._object_tensor(ext)[start: start + n]
+
+
+def _sunk(sink, at: int, view: memoryview, got: int) -> int:
+    """Hand ``sink`` the ``got`` bytes just read into ``view`` (``at`` bytes into the read)."""
+    if got:
+        sink(at, view[:got])
+    return got
 
 
 def key_path(*parts: str) -> str:

@@ -21,13 +21,16 @@ Where the files go (temporary names, exclusive creation, the all-or-nothing comm
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
+import io
 import json
 import os
 import re
 import struct
 import sys
 import threading
+import weakref
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -47,7 +50,9 @@ __all__ = [
     "Meter",
     "executor_chunks",
     "write_torch",
+    "append_torch",
     "write_safetensors",
+    "LateHeader",
     "write_json",
     "storage_key",
     "SAFETENSORS_DTYPES",
@@ -114,18 +119,35 @@ def _storage_bytes(s: torch.UntypedStorage) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(s.data_ptr())).cast("B") if n else memoryview(b"")
 
 
-def executor_chunks(sources: Mapping[str, Any], reader, chunk_bytes: int) -> Chunks:
+def executor_chunks(sources: Mapping[str, Any], reader, chunk_bytes: int,
+                    tap: Optional[Callable[[ReadItem, torch.Tensor], None]] = None) -> Chunks:
     """(local) The chunks of records whose items name ``sources`` (planned target tensors):
     ``_execute.stream`` carries the items out through one buffer of ``chunk_bytes``, which
-    every record of one writer reuses."""
+    every record of one writer reuses. ``tap`` sees each chunk, ``(item, data)``, while it
+    is written (the writers' digests, :mod:`._digest_record`: hashed as the bytes pass), on a
+    thread of its own (BLAKE3 and the file writes release the GIL); the buffer is refilled
+    only once the tap is done with it."""
     buffer = torch.empty(max(1 << 12, chunk_bytes // 64 * 64), dtype=torch.uint8)
+    pool = None
+    if tap is not None:
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oneload-digest")
 
     def chunks(rec: Record) -> Iterator[torch.Tensor]:
         for item, data in stream(rec.items, sources, reader, buffer.numel(), buffer):
             if data.dtype != rec.dtype:
                 raise ConversionError(f"{item.name}: planned as {data.dtype} inside a storage of {rec.dtype}.")
-            yield data
+            if pool is None:
+                yield data
+                continue
+            tapped = pool.submit(tap, item, data)
+            try:
+                yield data
+            finally:
+                concurrent.futures.wait([tapped])
+            tapped.result()
 
+    if pool is not None:
+        weakref.finalize(chunks, pool.shutdown, wait=False)
     return chunks
 
 
@@ -246,28 +268,58 @@ def _data_records(file: Any) -> tuple:
     return infos, start_dir
 
 
-def _patch_crcs(fd: int, path: str, infos: Sequence, start_dir: int, crcs: Mapping[int, int]) -> None:
+def _patch_crcs(fd: int, path: str, infos: Sequence, start_dir: int, crcs: Mapping[int, int], base: int = 0) -> None:
     """Write the CRC-32 of each record whose data starts at a key of ``crcs`` into its local
-    header and its central directory entry (``skip_data`` left them at zero)."""
+    header and its central directory entry (``skip_data`` left them at zero); the archive
+    starts at byte ``base`` of the file."""
     pos = start_dir
     patched = 0
     for info in infos:
-        cd = os.pread(fd, 46, pos)
+        cd = os.pread(fd, 46, base + pos)
         if cd[:4] != b"PK\x01\x02":
-            raise ConversionError(f"{path}: unexpected zip central directory entry at byte {pos}.")
+            raise ConversionError(f"{path}: unexpected zip central directory entry at byte {base + pos}.")
         n, e, c = struct.unpack("<HHH", cd[28:34])
-        local = os.pread(fd, 30, info.header_offset)
+        local = os.pread(fd, 30, base + info.header_offset)
         ln, le = struct.unpack("<HH", local[26:30])
         data_offset = info.header_offset + 30 + ln + le
         crc = crcs.get(data_offset)
         if crc is not None:
             packed = struct.pack("<I", crc)
-            os.pwrite(fd, packed, info.header_offset + 14)
-            os.pwrite(fd, packed, pos + 16)
+            os.pwrite(fd, packed, base + info.header_offset + 14)
+            os.pwrite(fd, packed, base + pos + 16)
             patched += 1
         pos += 46 + n + e + c
     if patched != len(crcs):
         raise ConversionError(f"{path}: found {patched} of {len(crcs)} tensor records in the zip directory.")
+
+
+class _Window(io.RawIOBase):
+    """(local) Bytes ``base .. base + size`` of an open file, read as a file of their own (a
+    torch archive inside a longer file, for zipfile and ``torch.load``)."""
+
+    def __init__(self, f: Any, base: int, size: int):
+        super().__init__()
+        self.f, self.base, self.size, self.pos = f, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = max(0, offset + (0, self.pos, self.size)[whence])
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.size - self.pos))
+        data = os.pread(self.f.fileno(), n, self.base + self.pos) if n else b""
+        memoryview(b).cast("B")[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 def _read_back_header(f, trust_pickle: bool) -> Any:
@@ -301,66 +353,111 @@ def write_torch(path: str, obj: Any, records: Mapping[int, Record], chunks: Opti
     """
     fd = open_for_writing(path)
     with os.fdopen(fd, "r+b") as f:
-        with torch.serialization.skip_data():
-            torch.save(obj, f)
-        f.flush()
-        try:
-            header = _read_back_header(f, trust_pickle)
-        except Exception as e:  # noqa: BLE001
-            import pickle
+        written = append_torch(f, path, obj, records, chunks, progress=progress, cancel=cancel,
+                               trust_pickle=trust_pickle)
+        os.fsync(f.fileno())
+    return written
 
-            if isinstance(e, pickle.UnpicklingError):
-                raise UnsafeCheckpointError(
-                    f"{path}: the object written holds a class outside the checkpoint allowlist ({e}); pass "
-                    "trust_pickle=True only if its source is trusted."
-                ) from None
-            raise
-        ours, theirs = list(_walk(obj)), list(_walk(header))
-        if [p for p, _ in ours] != [p for p, _ in theirs]:
-            raise ConversionError(f"{path}: the written file's tensors do not match the object saved.")
-        storages: dict = {}
-        for (p, t), (_, h) in zip(ours, theirs):
-            s = t.untyped_storage()
-            if s.nbytes() == 0:
-                continue
-            offset = int(h.untyped_storage()._checkpoint_offset)
-            storages.setdefault(offset, (p, t, s))
-        f.seek(0)
-        infos, start_dir = _data_records(f)
-        expected = sum(1 for i in infos if _DATA_RECORD.search(i.filename) and i.file_size > 0)
-        if expected != len(storages):
-            raise ConversionError(
-                f"{path}: located {len(storages)} of the {expected} tensor storages the file holds; "
-                "a tensor sits in a container this writer does not walk (dict, list, tuple, Namespace)."
-            )
-        fd = f.fileno()
-        sink = _FileSink(fd, chunks, progress, cancel)
-        crcs = {}
-        for offset in sorted(storages):
-            p, t, s = storages[offset]
-            rec = records.get(storage_key(t))
-            if rec is not None:
-                if rec.nbytes != s.nbytes():
-                    raise ConversionError(f"{path}: {'.'.join(map(str, p))}: planned {rec.nbytes} bytes "
-                                          f"for a storage of {s.nbytes()}.")
-                crcs[offset] = sink.record(rec, offset)
-            else:
-                crcs[offset] = sink.raw(_storage_bytes(s), offset)
-        _patch_crcs(fd, path, infos, start_dir, crcs)
-        os.fsync(fd)
+
+def append_torch(f: Any, path: str, obj: Any, records: Mapping[int, Record], chunks: Optional[Chunks], *,
+                 progress: Optional[Meter] = None, cancel: Optional[threading.Event] = None,
+                 trust_pickle: bool = False) -> int:
+    """(local) ``obj`` as a torch checkpoint written at ``f``'s position, its storages filled
+    as :func:`write_torch` fills them, ``f`` left at its end (``f``: a file of
+    :func:`._outputs.open_for_writing`). A torch zip archive counts its offsets from its own
+    first byte, so archives can follow each other in one file: what a
+    ``torch.distributed.checkpoint`` ``.distcp`` file holds. Returns the tensor bytes written."""
+    base = f.tell()
+    with torch.serialization.skip_data():
+        torch.save(obj, f)
+    f.flush()
+    end = f.tell()
+    blob = _Window(f, base, end - base)
+    try:
+        header = _read_back_header(blob, trust_pickle)
+    except Exception as e:  # noqa: BLE001
+        import pickle
+
+        if isinstance(e, pickle.UnpicklingError):
+            raise UnsafeCheckpointError(
+                f"{path}: the object written holds a class outside the checkpoint allowlist ({e}); pass "
+                "trust_pickle=True only if its source is trusted."
+            ) from None
+        raise
+    ours, theirs = list(_walk(obj)), list(_walk(header))
+    if [p for p, _ in ours] != [p for p, _ in theirs]:
+        raise ConversionError(f"{path}: the written file's tensors do not match the object saved.")
+    storages: dict = {}
+    for (p, t), (_, h) in zip(ours, theirs):
+        s = t.untyped_storage()
+        if s.nbytes() == 0:
+            continue
+        offset = int(h.untyped_storage()._checkpoint_offset)
+        storages.setdefault(offset, (p, t, s))
+    blob.seek(0)
+    infos, start_dir = _data_records(blob)
+    expected = sum(1 for i in infos if _DATA_RECORD.search(i.filename) and i.file_size > 0)
+    if expected != len(storages):
+        raise ConversionError(
+            f"{path}: located {len(storages)} of the {expected} tensor storages the file holds; "
+            "a tensor sits in a container this writer does not walk (dict, list, tuple, Namespace)."
+        )
+    fd = f.fileno()
+    sink = _FileSink(fd, chunks, progress, cancel)
+    crcs = {}
+    for offset in sorted(storages):
+        p, t, s = storages[offset]
+        rec = records.get(storage_key(t))
+        if rec is not None:
+            if rec.nbytes != s.nbytes():
+                raise ConversionError(f"{path}: {'.'.join(map(str, p))}: planned {rec.nbytes} bytes "
+                                      f"for a storage of {s.nbytes()}.")
+            crcs[offset] = sink.record(rec, base + offset)
+        else:
+            crcs[offset] = sink.raw(_storage_bytes(s), base + offset)
+    _patch_crcs(fd, path, infos, start_dir, crcs, base)
+    f.seek(end)
     return sink.written
 
 
 # --------------------------------------------------------------------------- safetensors
 
 
+class LateHeader:
+    """(local) A safetensors file whose data is written and whose ``__metadata__`` is known
+    only later (the digests of a whole export): :meth:`finish` writes the final header over
+    the one written first, through the descriptor that wrote the file, and closes it. The
+    final header may not be longer than the first (placeholders of the same length reserve
+    its room); a shorter one is padded with spaces, as the format allows."""
+
+    def __init__(self, fd: int, path: str, header: Mapping, size: int):
+        self.fd, self.path, self.header, self.size = fd, path, dict(header), size
+
+    def finish(self, metadata: Mapping[str, str]) -> None:
+        self.header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        raw = json.dumps(self.header, separators=(",", ":")).encode()
+        if len(raw) > self.size:
+            raise ConversionError(f"{self.path}: the final header needs {len(raw)} bytes, {self.size} were reserved.")
+        pwrite_all(self.fd, memoryview(raw + b" " * (self.size - len(raw))), 8)
+        os.fsync(self.fd)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str, str], chunks: Optional[Chunks], *,
-                      progress: Optional[Meter] = None, cancel: Optional[threading.Event] = None) -> int:
+                      progress: Optional[Meter] = None, cancel: Optional[threading.Event] = None,
+                      late: Optional[list] = None) -> int:
     """(local) Write ``entries`` of (name, shape, dtype, Record) as one safetensors file, the
     records' bytes from ``chunks`` as for :func:`write_torch`.
 
     Tensors are laid out back to back in the given order (the format allows no holes);
-    ``metadata`` goes into the header's ``__metadata__`` (strings only).
+    ``metadata`` goes into the header's ``__metadata__`` (strings only). With ``late`` (a
+    list), the file stays open once its data is written and a :class:`LateHeader` is appended
+    to ``late``: its ``finish`` replaces ``metadata`` (placeholders) with the final values.
     """
     header: dict = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     offset = 0
@@ -381,8 +478,12 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: Mapping[str
         for name, shape, dtype, rec in entries:
             sink.record(rec, start + header[name]["data_offsets"][0])
         os.fsync(fd)
+        if late is not None:
+            late.append(LateHeader(fd, path, header, len(raw)))
+            fd = -1
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     return sink.written
 
 

@@ -20,12 +20,12 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from . import _storage
 from ._errors import CheckpointLayoutError, os_error_message
 
-__all__ = ["ZipRecord", "ZipIndex", "zip_index", "stat_key", "file_kind", "record_bytes", "check_deflated",
+__all__ = ["ZipRecord", "ZipIndex", "zip_index", "parse_archive", "stat_key", "file_kind", "record_bytes", "check_deflated",
            "bad_zip", "NOT_TORCH_IN_A_SET"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -224,66 +224,73 @@ def _parse_zip(path: str) -> ZipIndex:
     CheckpointLayoutError on anything torch could not read or could read two ways."""
     fd = _storage.open_ro(path)
     try:
-        size = _storage.fsize(fd)
-        entries, cd_offset = _central_directory(fd, size, path)
-        if not entries:
-            raise bad_zip(path, "the archive holds no records")
-        if not isinstance(fd, int):  # an object: every local header in one concurrent batch
-            fd.prefetch([(e[5], _LOCAL.size + 1024) for e in entries])
-        # torch looks every record up under the folder of the archive's first entry.
-        folder = entries[0][0].split("/", 1)[0]
-        prefix = folder + "/"
-        records: dict = {}
-        for name, flags, method, csize, usize, hoff in entries:
-            if not name.startswith(prefix):
-                continue
-            short = name[len(prefix):]
-            if short in records:
-                raise CheckpointLayoutError(
-                    f"{path}: the archive holds two records named {name}; which one a reader takes is "
-                    "undefined. Re-create the file with torch.save.")
-            if flags & 0x1:
-                raise CheckpointLayoutError(f"{path}: record {name} is encrypted; torch cannot read it.")
-            if method not in _METHODS:
-                raise CheckpointLayoutError(
-                    f"{path}: record {name} is compressed with zip method {method} "
-                    f"({_METHOD_NAMES.get(method, 'unknown')}), which torch.load cannot read either. "
-                    "Re-store the archive uncompressed (zip -0, or Python zipfile with ZIP_STORED).")
-            if method == 8 and usize > csize * _DEFLATE_RATIO + _DEFLATE_SLACK:
-                # before anything is allocated: torch's reader allocates the declared size, then
-                # inflates into it (and hands back what it did not fill where the stream stops)
-                raise bad_zip(path, f"record {name} claims to inflate to {usize} bytes from {csize} compressed "
-                                     f"bytes, more than deflate can produce ({_DEFLATE_RATIO}:1)")
-            cap = max(_INFLATED_CAP, _INFLATED_RATIO * csize)
-            if method == 8 and not short.startswith("data/") and usize > cap:
-                # read into memory whole (by torch's reader too): refused before anything is inflated
-                raise bad_zip(path, f"record {name} declares {usize} bytes once inflated, from {csize} compressed "
-                                     f"bytes; a record read whole into memory (the pickle) may declare at most "
-                                     f"{cap} (64 MiB, or {_INFLATED_RATIO} times its compressed size): torch.save's "
-                                     "pickles are at most tens of MB and deflate a few times, so this one was "
-                                     "padded or crafted")
-            local = _pread_exact(fd, hoff, _LOCAL.size, path, f"the local header of {name}")
-            if local[:4] != b"PK\x03\x04":
-                raise bad_zip(path, f"the central directory places {name} at byte {hoff}, "
-                                     "which holds no local file header")
-            lnlen, lxlen = _LOCAL.unpack(local)[-2:]
-            data = hoff + _LOCAL.size + lnlen + lxlen
-            if data + csize > cd_offset:
-                raise bad_zip(path, f"record {name} (bytes {data}..{data + csize}) runs into the central "
-                                     f"directory at byte {cd_offset}")
-            records[short] = ZipRecord(short, hoff, data, usize, csize, method)
-        # Records must not share bytes: one record's data read as another's is the failure
-        # this whole check exists to prevent.
-        spans = sorted(records.values(), key=lambda r: r.header_offset)
-        for a, b in zip(spans, spans[1:]):
-            if a.data_offset + a.compressed_size > b.header_offset:
-                raise bad_zip(path, f"records {prefix}{a.name} and {prefix}{b.name} overlap")
-        byteorder = None
-        if "byteorder" in records:
-            byteorder = record_bytes(fd, records["byteorder"], path, folder).decode("ascii", "replace").strip()
-        return ZipIndex(path, folder, records, byteorder)
+        return parse_archive(fd, path)
     finally:
         _storage.close(fd)
+
+
+def parse_archive(fd: Any, path: str) -> ZipIndex:
+    """(local) :func:`_parse_zip` of an archive read through ``fd`` (a descriptor, a
+    RemoteFile, or a window onto part of a larger file: a ``.distcp`` item, see
+    :mod:`._dcp_items`), offsets relative to its start; ``fd`` stays open."""
+    size = _storage.fsize(fd)
+    entries, cd_offset = _central_directory(fd, size, path)
+    if not entries:
+        raise bad_zip(path, "the archive holds no records")
+    if not isinstance(fd, int):  # an object: every local header in one concurrent batch
+        fd.prefetch([(e[5], _LOCAL.size + 1024) for e in entries])
+    # torch looks every record up under the folder of the archive's first entry.
+    folder = entries[0][0].split("/", 1)[0]
+    prefix = folder + "/"
+    records: dict = {}
+    for name, flags, method, csize, usize, hoff in entries:
+        if not name.startswith(prefix):
+            continue
+        short = name[len(prefix):]
+        if short in records:
+            raise CheckpointLayoutError(
+                f"{path}: the archive holds two records named {name}; which one a reader takes is "
+                "undefined. Re-create the file with torch.save.")
+        if flags & 0x1:
+            raise CheckpointLayoutError(f"{path}: record {name} is encrypted; torch cannot read it.")
+        if method not in _METHODS:
+            raise CheckpointLayoutError(
+                f"{path}: record {name} is compressed with zip method {method} "
+                f"({_METHOD_NAMES.get(method, 'unknown')}), which torch.load cannot read either. "
+                "Re-store the archive uncompressed (zip -0, or Python zipfile with ZIP_STORED).")
+        if method == 8 and usize > csize * _DEFLATE_RATIO + _DEFLATE_SLACK:
+            # before anything is allocated: torch's reader allocates the declared size, then
+            # inflates into it (and hands back what it did not fill where the stream stops)
+            raise bad_zip(path, f"record {name} claims to inflate to {usize} bytes from {csize} compressed "
+                                 f"bytes, more than deflate can produce ({_DEFLATE_RATIO}:1)")
+        cap = max(_INFLATED_CAP, _INFLATED_RATIO * csize)
+        if method == 8 and not short.startswith("data/") and usize > cap:
+            # read into memory whole (by torch's reader too): refused before anything is inflated
+            raise bad_zip(path, f"record {name} declares {usize} bytes once inflated, from {csize} compressed "
+                                 f"bytes; a record read whole into memory (the pickle) may declare at most "
+                                 f"{cap} (64 MiB, or {_INFLATED_RATIO} times its compressed size): torch.save's "
+                                 "pickles are at most tens of MB and deflate a few times, so this one was "
+                                 "padded or crafted")
+        local = _pread_exact(fd, hoff, _LOCAL.size, path, f"the local header of {name}")
+        if local[:4] != b"PK\x03\x04":
+            raise bad_zip(path, f"the central directory places {name} at byte {hoff}, "
+                                 "which holds no local file header")
+        lnlen, lxlen = _LOCAL.unpack(local)[-2:]
+        data = hoff + _LOCAL.size + lnlen + lxlen
+        if data + csize > cd_offset:
+            raise bad_zip(path, f"record {name} (bytes {data}..{data + csize}) runs into the central "
+                                 f"directory at byte {cd_offset}")
+        records[short] = ZipRecord(short, hoff, data, usize, csize, method)
+    # Records must not share bytes: one record's data read as another's is the failure
+    # this whole check exists to prevent.
+    spans = sorted(records.values(), key=lambda r: r.header_offset)
+    for a, b in zip(spans, spans[1:]):
+        if a.data_offset + a.compressed_size > b.header_offset:
+            raise bad_zip(path, f"records {prefix}{a.name} and {prefix}{b.name} overlap")
+    byteorder = None
+    if "byteorder" in records:
+        byteorder = record_bytes(fd, records["byteorder"], path, folder).decode("ascii", "replace").strip()
+    return ZipIndex(path, folder, records, byteorder)
 
 
 def record_bytes(fd: int, rec: ZipRecord, path: str, folder: str = "") -> "bytes | bytearray":

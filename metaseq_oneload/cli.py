@@ -36,7 +36,7 @@ _COMMANDS: Dict[str, Tuple[Callable, str, Callable]] = {}
 # _convert's table of torch dtypes (a test keeps the two equal), spelled out here so that the
 # parser needs no torch.
 DTYPES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "dcp")
 
 
 def human_bytes(n: float) -> str:
@@ -121,9 +121,10 @@ def _add_no_progress(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- inspect
 
 
-def _describe(layout) -> str:
+def _describe(layout, claim=None) -> str:
     kinds = {
-        "singleton": "one file, unflattened weights",
+        "singleton": ("one file, unflattened weights" if len(layout.files[0]) == 1
+                      else f"one state dict over {len(layout.files[0])} files, unflattened weights"),
         "model_parallel": "model-parallel parts, unflattened (Megatron splits)",
         "fsdp_sharded": "FSDP-sharded parts" + (f", flat params ({layout.metadata_key})" if layout.flat else ""),
     }
@@ -157,6 +158,19 @@ def _describe(layout) -> str:
         out.append(f"... and {shown - 16} more files")
     if layout.aliases:
         out.append(f"links: {', '.join(layout.aliases[:4])}{' ...' if len(layout.aliases) > 4 else ''}")
+    if claim is not None:  # what the set says about itself: shown as said, not checked here
+        out += ["", "recorded digest  (a claim by its writer, not checked: `metaseq-oneload digest` reads the bytes)"]
+        rows = [["by", f"{claim.writer}, in {claim.source}"]]
+        if claim.model:
+            rows.append(["model", claim.model])
+        if claim.tensors:
+            rows.append(["tensors", f"{len(claim.tensors)} tensor digests"])
+        if claim.stored:
+            rows.append(["stored", f"{claim.stored} stored-tensor digests (a load with verify='digest' checks them)"])
+        if claim.source_digest:
+            rows.append(["source", f"{claim.source_digest} (the checkpoint it was made from)"])
+        rows += [["problem", p] for p in claim.problems[:5]]
+        out.append(table(rows))
     if layout.notes:  # normal for such files, so part of the report, not warnings
         out += ["", "notes"] + [f"  - {n}" for n in layout.notes]
     return "\n".join(out)
@@ -165,11 +179,14 @@ def _describe(layout) -> str:
 def _inspect(args) -> int:
     from . import inspect
 
+    from ._claims import recorded
+
     layout = inspect(args.path, trust_pickle=args.trust_pickle)
+    claim = recorded(layout)
     if args.json:
-        print(json.dumps(layout.to_dict(), indent=2))
+        print(json.dumps(dict(layout.to_dict(), recorded_digest=claim.to_dict() if claim else None), indent=2))
         return 0
-    print(_describe(layout))
+    print(_describe(layout, claim))
     for w in layout.warnings:
         warn(w)
     return 0
@@ -184,7 +201,8 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
 
 def _add_write_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default="torch",
-                   help="torch (metaseq's files, default) or safetensors (+ a JSON of the metadata)")
+                   help="torch (metaseq's files, default), safetensors (+ a JSON of the metadata) or dcp "
+                        "(a torch.distributed.checkpoint folder DST: .metadata and --shards .distcp files)")
     p.add_argument("--drop-optimizer", action="store_true", help="leave the optimizer state out")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing destination files (never a source file)")
@@ -213,6 +231,8 @@ def _convert_table(r) -> str:
         ["written", f"{len(r.files) + len(r.sidecars)} file(s), {human_bytes(r.bytes_written)} of tensors in "
                     f"{r.seconds:.2f} s ({r.jobs} job(s), {human_bytes(r.chunk_bytes)} chunks)"],
         ["read", human_bytes(r.bytes_read)],
+        ["digest", r.digest or "stored digests recorded in the index (see the notes)"
+         if r.format == "torch" else r.digest or "-"],
     ]
     out = [table(rows), "", "files"]
     out.append(table([[os.path.basename(p), human_bytes(os.path.getsize(p))]
@@ -236,9 +256,11 @@ def _convert(args) -> int:
 def _configure_convert(p: argparse.ArgumentParser) -> None:
     _add_path(p)
     p.add_argument("dst", metavar="DST",
-                   help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes)")
+                   help="destination prefix, e.g. /out/checkpoint_last (files get metaseq's suffixes); with "
+                        "--format dcp, the folder to write")
     p.add_argument("--model-parallel", "-m", type=int, default=None, help="model-parallel parts (default: the source's)")
-    p.add_argument("--shards", "-s", type=int, default=None, help="FSDP shards per part (default: the source's)")
+    p.add_argument("--shards", "-s", type=int, default=None,
+                   help="FSDP shards per part (default: the source's); with --format dcp, .distcp files (default 1)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--flat", dest="flat", action="store_true", default=None,
                    help="fairscale flat-parameter shards with shard_metadata (default when --shards > 1)")
@@ -276,8 +298,15 @@ def _verify(args) -> int:
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))
         return 0 if r.match else 1
+    if r.against_digest:
+        print(_verify_digest_table(r))
+        return 0 if r.match else 1
     out = [table([["a", f"{r.a}  ({r.source_a})"], ["b", f"{r.b}  ({r.source_b})"],
-                  ["tolerance", f"|a-b| <= {r.atol:g} + {r.rtol:g} * |b|"]])]
+                  ["tolerance", f"|a-b| <= {r.atol:g} + {r.rtol:g} * |b|"],
+                  ["digests", f"a {r.digest_a or 'not computed (not every tensor was read)'}"],
+                  ["", f"b {r.digest_b or 'not computed (not every tensor was read)'}"
+                       + (" (the same content)" if r.digest_a and r.digest_a == r.digest_b else "")]])]
+    out += _claim_lines(r)
     if r.only_in_a or r.only_in_b or r.shape_mismatches:
         out += ["", "structure"]
         out += [f"  only in a: {n}" for n in r.only_in_a[:20]]
@@ -302,13 +331,90 @@ def _verify(args) -> int:
     return 0 if r.match else 1
 
 
+def _claim_lines(r) -> list:
+    lines = []
+    for side, source, writer, model, agrees in r.claims:
+        held = {True: "its bytes have it", False: "its bytes do NOT have it", None: "not compared"}[agrees]
+        lines.append(f"  {side}: recorded by {writer} in {source}: {model} (a claim: {held})")
+    return ["", "recorded digests"] + lines if lines else []
+
+
+def _verify_digest_table(r) -> str:
+    out = [table([["a", f"{r.a}  ({r.source_a})"], ["b", r.b], ["digest a", r.digest_a], ["digest b", r.digest_b]])]
+    out += _claim_lines(r)
+    if r.digest_mismatches or r.only_in_a or r.only_in_b:
+        out += ["", "tensors"] + [f"  differ: {n}" for n in r.digest_mismatches[:50]]
+        out += [f"  only in a: {n}" for n in r.only_in_a[:20]] + [f"  only in b: {n}" for n in r.only_in_b[:20]]
+    if r.match:
+        out += ["", "MATCH: a's content digest is the one given (a was read; b was not)"]
+    else:
+        named = len(r.digest_mismatches) + len(r.only_in_a) + len(r.only_in_b)
+        out += ["", "DIFFER: a's content digest is not the one given"
+                + (f" ({named} tensors named above)" if named else
+                   " (b gives only a model digest: which tensors differ is not known)")]
+    return "\n".join(out)
+
+
 def _configure_verify(p: argparse.ArgumentParser) -> None:
     _add_path(p, "a checkpoint (any layout): " + _PATH_HELP)
-    p.add_argument("other", metavar="OTHER", help="the checkpoint to compare it with (any layout)")
+    p.add_argument("other", metavar="OTHER",
+                   help="the checkpoint to compare it with (any layout), or a digest: blake3:... or a file "
+                        "`digest --json` wrote (then only PATH is read)")
     p.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (default 1e-8)")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     p.add_argument("--top", type=int, default=10, help="how many of the largest differences to print")
     _add_chunk_mb(p, "MiB read and compared at a time from each checkpoint")
+    _add_no_progress(p)
+
+
+# --------------------------------------------------------------------------- digest
+
+
+def _digest_table(r) -> str:
+    rows = [["checkpoint", r.path], ["model", r.model],
+            ["tensors", f"{len(r.tensors)}, {human_bytes(r.nbytes)} ({human_bytes(r.bytes_read)} read in "
+                        f"{r.seconds:.2f} s)"]]
+    rec = r.recorded
+    if rec is not None:
+        rows.append(["recorded", f"{rec.claim.source}, by {rec.claim.writer} (a claim; the bytes were read)"])
+    out = [table(rows), "", table([[t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes),
+                                   t.digest] for t in r.tensors], header=["tensor", "dtype", "shape", "bytes", "digest"])]
+    if rec is None or not rec.compared:
+        out += ["", "no content digest recorded in the checkpoint: nothing to compare"
+                + (f" ({rec.claim.stored} stored-tensor digests: a load with verify='digest' checks them)"
+                   if rec is not None and rec.claim.stored else "")]
+        return "\n".join(out)
+    claimed = dict(rec.claim.tensors)
+    computed = {t.name: t.digest for t in r.tensors}
+    problems = [f"  {n}: recorded {claimed[n]}, computed {computed[n]} (read from "
+                f"{', '.join(r.files_of(n)) or 'no file'})" for n in rec.differing]
+    problems += [f"  {n}: not in the recorded digests" for n in rec.unrecorded]
+    problems += [f"  {n}: recorded, but the checkpoint has no such tensor" for n in rec.unknown]
+    if rec.model_matches is False:
+        problems.append(f"  model: recorded {rec.claim.model}, computed {r.model}")
+    who = f"{rec.claim.writer} ({rec.claim.source})"
+    if rec.matched:
+        out += ["", f"MATCH: the digest recorded by {who} is the bytes' digest"]
+    else:
+        out += ["", f"DIFFER: the bytes do not have the digest recorded by {who}"] + problems
+    return "\n".join(out)
+
+
+def _digest(args) -> int:
+    from . import digest
+    from ._options import check_option
+
+    check_option("threads", args.threads, "count")
+    r = digest(args.path, chunk_mb=args.chunk_mb, threads=args.threads, trust_pickle=args.trust_pickle,
+               progress=_progress(args))
+    print(json.dumps(r.to_dict(), indent=2) if args.json else _digest_table(r))
+    return 0 if r.match else 1
+
+
+def _configure_digest(p: argparse.ArgumentParser) -> None:
+    _add_path(p)
+    _add_chunk_mb(p, "MiB of read buffers in all")
+    p.add_argument("--threads", type=int, default=None, help="hashing threads (default: up to 4, one per core)")
     _add_no_progress(p)
 
 
@@ -348,6 +454,9 @@ def _export_hf(args) -> int:
                          f"heads, ffn {c['ffn_dim']}, vocab {c['vocab_size']}, {c['max_position_embeddings']} positions"],
         ["", f"{c['activation_function']}, {'pre' if c['do_layer_norm_before'] else 'post'}-LN, "
              f"{'tied' if c['tie_word_embeddings'] else 'untied'} lm_head, {c['torch_dtype']}"],
+        ["digest", f"{result.digest} (the exported tensors)"],
+        ["", f"{result.source_digest} (the source's content)" if result.source_digest
+         else "the source's content digest: not recorded (see the warning)"],
         ["seconds", f"{result.seconds:.1f}"],
     ]))
     for w in result.warnings:
@@ -453,6 +562,8 @@ _COMMANDS.update({
     "consolidate": (_consolidate, "write a checkpoint as one unflattened file (DST.pt)", _configure_consolidate),
     "verify": (_verify, "compare two checkpoints of any layouts tensor by tensor (exit 0 only if they match)",
                _configure_verify),
+    "digest": (_digest, "the content digest of a checkpoint (any layout; docs/digest.md), checked against the "
+                        "one it records (exit 1 if they differ)", _configure_digest),
     "export-hf": (_export_hf, "convert a metaseq checkpoint (any layout) into a Hugging Face OPT folder",
                   _configure_export_hf),
     "plan": (_plan, "what a load onto W ranks would do, from metadata only: each rank's reads, the strategy "

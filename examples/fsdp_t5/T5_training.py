@@ -19,6 +19,11 @@ downloads), on CPU with gloo:
     torchrun --standalone --nproc_per_node 4 examples/fsdp_t5/T5_training.py
 
 On GPUs with the real model (see README.md): ``--model google/flan-t5-xxl``.
+
+``--save-model --checkpoint-type sharded`` saves every rank's shards with
+torch.distributed.checkpoint, as the example's ``model_checkpointing`` does;
+``--resume-from FOLDER`` starts a later run, on any number of ranks, from such a save (or any
+checkpoint metaseq-oneload reads), each rank reading only its shard.
 """
 
 import argparse
@@ -151,7 +156,10 @@ def mixed_precision(args):
 
 
 def setup_model(args, model_name, device):
-    """The one change: our from_pretrained instead of every rank's own full copy."""
+    """The one change: our from_pretrained instead of every rank's own full copy (and, with
+    ``--resume-from``, the weights of an earlier run instead of the pretrained ones)."""
+    if args.resume_from:
+        return resume_model(args, model_name, device)
     if args.every_rank_loads:  # the example as written, for comparison: N full copies
         model = T5ForConditionalGeneration.from_pretrained(model_name, dtype=torch.float32)
         if args.fsdp == 2:
@@ -162,18 +170,8 @@ def setup_model(args, model_name, device):
         return FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                               transformer_layer_cls={T5Block}), device_id=device)
     if args.fsdp == 2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        dtype = mixed_precision(args)
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype else MixedPrecisionPolicy()
-        kw = {"mp_policy": policy}
-        if args.cpu_offload:  # shards stay in CPU memory (from_pretrained materialises them there)
-            from torch.distributed.fsdp import CPUOffloadPolicy
-
-            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        model = from_pretrained(T5ForConditionalGeneration, model_name, dtype=torch.float32,
-                                fsdp=fully_shard_blocks(**kw))
-        return model
+        return from_pretrained(T5ForConditionalGeneration, model_name, dtype=torch.float32,
+                               fsdp=fully_shard_blocks(**fsdp2_kwargs(args)))
     # FSDP1 (the example's own wrapping): rank 0 reads once; torch broadcasts into the shards.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -193,6 +191,65 @@ def setup_model(args, model_name, device):
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                strict=False))
     return model
+
+
+def fsdp2_kwargs(args):
+    """fully_shard's options: mixed precision, and CPU offload when asked for."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = mixed_precision(args)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype else MixedPrecisionPolicy()}
+    if args.cpu_offload:  # shards stay in CPU memory (the load materialises them there)
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return kw
+
+
+def resume_model(args, model_name, device):
+    """``--resume-from``: the model built empty from ``model_name``'s config, sharded as for a
+    fresh run, and filled from a checkpoint of an earlier run: a sharded save of this example
+    (a torch.distributed.checkpoint folder written on any number of ranks) or any checkpoint
+    metaseq-oneload reads. Every rank reads only what its shard needs, whatever the world size
+    the checkpoint was saved on (the example's own load_model_sharded needs the same world)."""
+    model = empty_model(T5ForConditionalGeneration, model_name, dtype=torch.float32)
+    if args.fsdp == 2:
+        model = fully_shard_blocks(**fsdp2_kwargs(args))(model) or model
+        oneload.load_into(model, args.resume_from, device=None if args.cpu_offload else device)
+        return model
+    # FSDP1: rank 0 reads the checkpoint once, torch broadcasts into the shards (setup_model's recipe).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    full = {}
+    if dist.get_rank() == 0:
+        oneload.load_into(model, args.resume_from, device=device, no_dist=True)
+        full = model.state_dict()
+    model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={T5Block}),
+                 device_id=device, param_init_fn=fsdp1_param_init_fn(model, device))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+    return model
+
+
+def save_model_sharded(args, model, save_dir):
+    """The example's model_checkpointing.save_model_and_optimizer_sharded (model only): every
+    rank writes its own shards with torch.distributed.checkpoint, under ``{"model": ...}``;
+    FSDP1 through its SHARDED_STATE_DICT, FSDP2 as its state dict is (DTensor shards)."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = dist_cp.FileSystemWriter(save_dir)
+    if args.fsdp == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            dist_cp.save({"model": model.state_dict()}, storage_writer=writer, planner=DefaultSavePlanner())
+    else:
+        dist_cp.save({"model": model.state_dict()}, storage_writer=writer, planner=DefaultSavePlanner())
+    dist.barrier()
 
 
 def full_cpu_state_dict(args, model):
@@ -273,7 +330,12 @@ def fsdp_main(args):
                 mem_alloc_tracker.append(format_metrics_to_gb(torch.cuda.memory_allocated()))
             print("completed save and stats zone...")
 
-        if args.save_model and curr_val_loss < best_val_loss:
+        if args.save_model and curr_val_loss < best_val_loss and args.checkpoint_type == "sharded":
+            save_dir = os.path.join(args.workdir, "T5-sharded")
+            if rank == 0:
+                print(f"--> saving sharded checkpoint to {save_dir}")
+            save_model_sharded(args, model, save_dir)
+        elif args.save_model and curr_val_loss < best_val_loss:
             cpu_state = full_cpu_state_dict(args, model)
             if rank == 0:
                 save_name = os.path.join(args.workdir, f"T5-model-{time_of_run}-{epoch}-{curr_val_loss.item():.4f}.pt")
@@ -313,6 +375,12 @@ if __name__ == "__main__":
     parser.add_argument("--track_memory", action="store_false", default=True)
     parser.add_argument("--run_validation", action="store_false", default=True)
     parser.add_argument("--save-model", action="store_true", default=False)
+    parser.add_argument("--checkpoint-type", choices=("full", "sharded"), default="full",
+                        help="what --save-model writes: the full state dict from rank 0 (torch.save), or every "
+                             "rank's shards as a torch.distributed.checkpoint folder (<workdir>/T5-sharded)")
+    parser.add_argument("--resume-from", default=None, metavar="PATH",
+                        help="start from the weights of an earlier run: a sharded save (any world size) or any "
+                             "checkpoint metaseq-oneload reads; --model (or the tiny T5) still gives the config")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)

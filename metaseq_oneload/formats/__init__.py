@@ -5,8 +5,9 @@ cached header) and ``describe(path, *, trust_pickle) -> CheckpointLayout``.
 :func:`discover` asks them in order and the first that recognises the path describes it:
 
 ========================  ====================================================================
+``dcp``                   ``torch.distributed.checkpoint`` folders (``.metadata`` + ``*.distcp``), local or URL;
+                          the Hugging Face writer's distributed save (``shard-*-model-*.safetensors``)
 ``huggingface``           ``model.safetensors``, sharded ``*.index.json`` sets, ``pytorch_model.bin``
-``dcp``                   ``torch.distributed.checkpoint`` folders (recognised, not read yet)
 ``plain``                 one ``torch.save``'d state dict, bare or in a training script's container
 ``metaseq``               metaseq/fairseq ``.pt`` sets by their file-name grammar (the last resort)
 ========================  ====================================================================
@@ -46,8 +47,10 @@ class Format:
 
 
 # Order matters: the first format that recognises a path describes it; metaseq's grammar
-# comes last because it claims every path (and so gives the not-found errors).
-FORMATS: tuple = tuple(Format.of(m) for m in (huggingface, dcp, plain, metaseq))
+# comes last because it claims every path (and so gives the not-found errors). DCP first: a
+# shard file of the Hugging Face writer's distributed save is a .safetensors file holding a
+# chunk, which only the whole folder describes.
+FORMATS: tuple = tuple(Format.of(m) for m in (dcp, huggingface, plain, metaseq))
 
 
 def format_of(path: "str | os.PathLike") -> Optional[Format]:
@@ -76,10 +79,10 @@ def discover(path: "str | os.PathLike", *, trust_pickle: bool = False) -> Checkp
     path = _weights_of_prefix(os.fspath(path))
     _storage.refresh(path)  # objects as the store holds them now, pinned for the load that follows
     fmt = format_of(path)
-    if _storage.is_url(path) and fmt.name not in ("plain", "metaseq"):
+    if _storage.is_url(path) and fmt.name not in ("plain", "metaseq", "dcp"):
         raise CheckpointLayoutError(
             f"{path}: a {fmt.name} checkpoint at a URL, which this version reads from local files only "
-            "(torch.save .pt files and sets are read from URLs). Copy it to a local folder first "
+            "(torch.save .pt files and sets, and DCP folders, are read from URLs). Copy it to a local folder first "
             "(e.g. `aws s3 cp --recursive`) and pass that folder.")
     with reading(path):  # what a file holds never surfaces as a bare TypeError or OSError
         layout = fmt.describe(path, trust_pickle=trust_pickle)
@@ -142,7 +145,7 @@ def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = Fal
     d = json.loads(payload)
     where = d["where"]
     if _storage.is_url(where["directory"]) or _storage.is_url(os.fspath(path)):
-        return _adopt_url(d, path, trust_pickle=trust_pickle)
+        return _vouched(_adopt_url(d, path, trust_pickle=trust_pickle))
     folder = os.path.normpath(os.path.join(_given_folder(os.fspath(path)),
                                            os.path.relpath(where["directory"], where["given"])))
     layout = _index.from_json(d, folder, trust_pickle=trust_pickle, index=False)
@@ -158,6 +161,14 @@ def adopt(payload: bytes, path: "str | os.PathLike", *, trust_pickle: bool = Fal
                 raise CheckpointLayoutError(f"{f.path}: cannot read it here ({e.strerror or e}).") from None
             if (st.st_size, st.st_mtime_ns) != (sent["size"], sent["mtime_ns"]):
                 raise CheckpointLayoutError(f"{f.path}: not the file the coordinating rank sees (size or time differ).")
+    return _vouched(layout)
+
+
+def _vouched(layout: CheckpointLayout) -> CheckpointLayout:
+    """A DCP layout's chunks, which the sender checked item by item, taken as checked here
+    (:func:`.dcp.vouch_layout`: this rank does not parse every item again)."""
+    if layout.flavor == "dcp":
+        dcp.vouch_layout(layout)
     return layout
 
 

@@ -4,7 +4,12 @@ Our writers (``convert``, ``consolidate``) leave ``<prefix>.oneload-index.json``
 output, as safetensors' ``model.safetensors.index.json`` and DCP's ``.metadata`` do: the
 whole :class:`~metaseq_oneload._layout.CheckpointLayout` (tensor -> file, key, element and
 byte offsets, dtypes, shapes, flat parameters), the save identity, the model's
-hyper-parameters, and per file its size and a digest of its pickle and its records.
+hyper-parameters, and per file its size and a digest of its pickle and its records. The
+writers add the content digests they hashed while writing (``docs/digest.md``): each stored
+tensor's (``parts[p].tensors[i].digest``, ``StoredTensor.digest`` once read) and, for a set of
+one model part, the set's canonical ones (top-level ``content``: ``{"model", "tensors", "by"}``,
+:func:`recorded_content`). The top-level ``digest`` is the index's own signature. A recorded
+digest is a claim about the bytes, checked against them by a load with ``verify="digest"``.
 
 The index is a hint, never an authority. Anyone who can write the folder can write an index,
 and a plain hash of it anyone can recompute, so an index is used only when:
@@ -43,7 +48,8 @@ import torch
 
 from .. import _storage
 from .. import _outputs
-from .._errors import CheckpointLayoutError, ConversionError
+from .._digest import parse_digest
+from .._errors import CheckpointLayoutError, ConversionError, DigestError
 from .._layout import CheckpointFile, CheckpointLayout, CheckpointSettings, FileName, FlatParam, ModelPart, StoredTensor
 from .._reading import Extent
 from .._zip import record_bytes, stat_key, zip_index
@@ -95,10 +101,13 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identities: bool = True) -> dict:
+def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identities: bool = True,
+            content: Optional[Mapping] = None) -> dict:
     """(local) The index of a layout; ``identities`` (what an index file records, for
     ``torch.save`` zip archives) costs one read of each file's directory and pickle bytes,
-    and is left out of what ranks send each other (they compare size and mtime instead)."""
+    and is left out of what ranks send each other (they compare size and mtime instead).
+    Each tensor's stored digest (``StoredTensor.digest``) is recorded where it is known, and
+    ``content`` (the set's canonical digests, ``{"model", "tensors", "by"}``) as given."""
     base = layout.directory
     rel = lambda p: os.path.relpath(p, base)  # noqa: E731  (a folder copied elsewhere keeps its index)
     model_args = {k: v for k, v in layout.model_args().items() if _jsonable(v)}
@@ -131,12 +140,14 @@ def to_json(layout: CheckpointLayout, *, save_id: Optional[str] = None, identiti
                              "shard_numels": list(fp.shard_numels), "paddings": list(fp.paddings),
                              "dtype": _dtype_name(fp.dtype)} for fp in p.flat_params],
             "tensors": [{"name": t.name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
-                         "extents": [[rel(e.path), e.key, e.elem_offset, e.numel, e.byte_offset] for e in t.extents]}
+                         "extents": [[rel(e.path), e.key, e.elem_offset, e.numel, e.byte_offset] for e in t.extents],
+                         **({"digest": t.digest} if t.digest is not None else {})}
                         for t in p.tensors.values()],
         } for p in layout.parts],
         "warnings": list(layout.warnings),
         "notes": list(layout.notes),
         "stale_metadata": list(layout.stale_metadata),
+        **({"content": dict(content)} if content else {}),
     }
 
 
@@ -294,7 +305,11 @@ def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False, index: 
         for t in p["tensors"]:
             extents = tuple(Extent(at(e[0]), e[1], int(e[2]), int(e[3]), None if e[4] is None else int(e[4]))
                             for e in t["extents"])
-            tensors[t["name"]] = StoredTensor(t["name"], int(p["index"]), _dtype(t["dtype"]), tuple(t["shape"]), extents)
+            digest = t.get("digest")
+            if digest is not None and not _is_digest(digest):
+                raise ValueError(f"tensor {t['name']}: recorded digest {str(digest)[:80]!r} is not a digest")
+            tensors[t["name"]] = StoredTensor(t["name"], int(p["index"]), _dtype(t["dtype"]), tuple(t["shape"]), extents,
+                                              digest=digest)
         flat = tuple(FlatParam(fp["key"], fp["fsdp_path"], tuple(fp["names"]), tuple(tuple(s) for s in fp["shapes"]),
                                tuple(fp["numels"]), tuple(fp["shard_numels"]), tuple(fp["paddings"]), _dtype(fp["dtype"]))
                      for fp in p["flat_params"])
@@ -322,10 +337,11 @@ def from_json(d: Mapping, directory: str, *, trust_pickle: bool = False, index: 
     )
 
 
-def write(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> str:
+def write(layout: CheckpointLayout, *, save_id: Optional[str] = None, content: Optional[Mapping] = None) -> str:
     """(local) Write the index of a freshly written set beside it, signed with this user's
     key (created on first use), all at once (:func:`_outputs.replace_file`: an exclusively
-    created temporary name, then a rename; nothing left behind on failure).
+    created temporary name, then a rename; nothing left behind on failure). The layout's
+    stored digests and ``content`` (see :func:`to_json`) are recorded with it.
 
     Raises:
         ConversionError: no usable key, or the folder refused the file.
@@ -335,7 +351,7 @@ def write(layout: CheckpointLayout, *, save_id: Optional[str] = None) -> str:
     if key is None:
         raise ConversionError(f"{path}: not written: {why}. Loads read the headers instead; set ${KEY_ENV} to a "
                               "file path you can write to have indexes.")
-    d = json.loads(json.dumps(to_json(layout, save_id=save_id)))  # what a reader will parse, signed as such
+    d = json.loads(json.dumps(to_json(layout, save_id=save_id, content=content)))  # what a reader parses, signed as such
     d["digest"] = _digest(d, key)
     _outputs.replace_file(path, json.dumps(d, separators=(",", ":")).encode(), what="index")
     return path
@@ -406,6 +422,42 @@ def load(directory: str, prefix: str, grid: list, *, trust_pickle: bool = False)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError,
             CheckpointLayoutError) as e:
         return None, f"{path}: unreadable ({type(e).__name__}: {e}); read the headers instead."
+
+
+def _is_digest(value: Any) -> bool:
+    try:
+        parse_digest(value)
+    except DigestError:
+        return False
+    return True
+
+
+def recorded_content(layout: CheckpointLayout) -> Optional[dict]:
+    """(local) The content digests (``{"model", "tensors", "by"}``) recorded in the index a
+    layout was read from, or None (no index, none recorded, or the index no longer the one
+    the layout was read from: unsigned, edited, or its stored digests differ). A claim of the
+    writer, never checked here against the bytes."""
+    if not layout.index:
+        return None
+    try:
+        with open(layout.index, "rb", opener=lambda p, f: os.open(p, f | _NOFOLLOW)) as f:
+            d = json.loads(f.read(_MAX_INDEX + 1))
+        key = _key()[0]
+        if key is None or not isinstance(d, dict) or not isinstance(d.get("digest"), str) or not hmac.compare_digest(
+                d["digest"], _digest(d, key) or ""):
+            return None
+        stored = {(int(p["index"]), t["name"]): t.get("digest") for p in d["parts"] for t in p["tensors"]}
+        if stored != {(t.part, t.name): t.digest for p in layout.parts for t in p.tensors.values()}:
+            return None
+        content = d.get("content")
+        if not isinstance(content, dict) or not _is_digest(content.get("model")):
+            return None
+        tensors = content.get("tensors")
+        if not isinstance(tensors, dict) or not all(isinstance(k, str) and _is_digest(v) for k, v in tensors.items()):
+            return None
+        return {"model": content["model"], "tensors": dict(tensors), "by": str(content.get("by", ""))}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 # An index of a million tensors is a few hundred MB: past this it is not one of ours.

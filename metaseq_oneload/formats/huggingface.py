@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 
 import torch
@@ -34,6 +35,8 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
+SIDECAR_FORMAT = "metaseq-oneload/safetensors-sidecar/1"  # the sidecar _conversion writes
+_MAX_SIDECAR = 64 << 20
 
 
 def _hf_files_in(folder: str) -> list:
@@ -114,9 +117,11 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     """(any rank, local) The one-part layout of a Hugging Face folder or weight file."""
     folder, files, weight_map = _weight_files(os.fspath(path))
     tensors: dict = {}
+    ties: list = []
     for p in files:
         if p.endswith(".safetensors"):
             header, start = read_safetensors_header(p)
+            ties += [(p, src, dst) for dst, src in _sidecar_ties(p, header).items()]
             for name, v in header.items():
                 if name == "__metadata__":
                     continue
@@ -145,6 +150,7 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
                 f"{folder}: the index lists {len(missing)} tensor(s) its files do not hold (e.g. {missing[:3]}).")
     if not tensors:
         raise CheckpointLayoutError(f"{folder}: the weight files hold no tensors.")
+    shared = _apply_ties(tensors, ties)
     stem = os.path.basename(files[0]).split(".")[0].split("-0")[0]
     return CheckpointLayout(
         directory=folder,
@@ -152,7 +158,7 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
         name=FileName(stem),
         files=(tuple(CheckpointFile(p, 0, i, os.path.getsize(p), "safetensors" if p.endswith(".safetensors")
                                     else file_format(p)) for i, p in enumerate(files)),),
-        parts=(ModelPart(0, tensors, (), tuple(n for n in tensors if n.endswith(".version")), ()),),
+        parts=(ModelPart(0, tensors, (), tuple(n for n in tensors if n.endswith(".version")), shared),),
         cfg=CheckpointSettings(),
         metadata_key=None,
         aliases=(),
@@ -161,6 +167,69 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
         warnings=(),
         config=_config(folder),
     )
+
+
+def _sidecar_ties(path: str, header: dict) -> dict:
+    """``{tied name: its source}`` from the JSON sidecar ``convert --format safetensors`` writes
+    beside its file (named in ``__metadata__["metaseq_oneload"]``): safetensors cannot store one
+    tensor under two names, so the tie lives there. Read as a hint: a plain file beside this
+    one, not through a link, bounded; an unreadable sidecar ties nothing."""
+    meta = header.get("__metadata__")
+    side = meta.get("metaseq_oneload") if isinstance(meta, dict) else None
+    if not isinstance(side, str) or os.path.basename(side) != side or side in ("", ".", ".."):
+        return {}
+    try:
+        fd = os.open(os.path.join(os.path.dirname(path), side),
+                     os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return {}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_SIDECAR:
+            return {}
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            doc = json.loads(f.read(_MAX_SIDECAR))
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT or \
+            doc.get("weights") != os.path.basename(path):
+        return {}
+    tied = doc.get("tied")
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise CheckpointLayoutError(
+            f"{path}: its sidecar {side} has a \"tied\" field that is not an object of tensor names "
+            f"(found {str(tied)[:80]}); expected {{tied name: source name}}. Write the sidecar again "
+            "(convert --format safetensors) or remove its \"tied\" field.")
+    return tied
+
+
+def _apply_ties(tensors: dict, ties: list) -> tuple:
+    """(tied name, source) pairs checked against the stored tensors; each tied name becomes
+    an alias of its source's bytes (the same extents), as a file storing both names would.
+    Returns ``ModelPart.shared``'s (source, alias) pairs."""
+    shared = []
+    for path, src, dst in ties:
+        if src == dst or src not in tensors:
+            raise CheckpointLayoutError(
+                f"{path}: its sidecar ties {dst!r} to {src!r}, "
+                + ("itself" if src == dst else "which no weight file holds")
+                + "; expected the name of a stored tensor. The sidecar does not belong to these files: "
+                "write the output again, or remove the sidecar's \"tied\" entry.")
+        if (src, dst) in shared:
+            continue
+        s = tensors[src]
+        have = tensors.get(dst)
+        if have is not None and (have.shape != s.shape or have.dtype != s.dtype):
+            raise CheckpointLayoutError(
+                f"{path}: its sidecar ties {dst!r} ({have.dtype}, {list(have.shape)}) to {src!r} "
+                f"({s.dtype}, {list(s.shape)}); a tie needs the same dtype and shape. "
+                "Write the output again, or remove the sidecar's \"tied\" entry.")
+        if have is None:
+            tensors[dst] = StoredTensor(dst, s.part, s.dtype, s.shape, s.extents)
+        shared.append((src, dst))
+    return tuple(shared)
 
 
 def _config(folder: str) -> dict:

@@ -47,9 +47,11 @@ from typing import Optional
 
 FAIRSEQ = "0.12.2"
 # Bump when the fixes or the dependency set below change: a new folder is built.
-RECIPE = 1
+RECIPE = 2
 DEPENDENCIES = ["setuptools", "wheel", "cython", "numpy<2", "regex", "sacrebleu", "bitarray", "tqdm", "cffi",
                 "omegaconf==2.3.1", "hydra-core==1.3.8", "fairscale==0.4.13",
+                # metaseq-oneload's own dependency (setup.cfg), imported where fairseq runs it.
+                "blake3>=0.4,<2",
                 # fairscale's testing module imports pytest; fairseq uses it for FSDP at world size 1.
                 "pytest"]
 STAMP = "built.json"

@@ -195,6 +195,7 @@ TOP_LEVEL = {
     "inspect", "CheckpointLayout", "load_state_dict", "load_checkpoint", "load_into", "LoadedCheckpoint",
     "LoadReport", "plan_load", "LoadPlan", "convert", "consolidate", "ConvertReport", "verify", "VerifyReport",
     "TensorDiff", "export_hf", "HFExport", "from_pretrained", "install", "uninstall", "installed",
+    "digest", "DigestReport",
 }
 SUBMODULES = {
     "hydra": {"register_resolver", "register_configs", "extend_schema", "compose_oneload", "fill_settings",
@@ -261,7 +262,7 @@ def test_the_api_page_lists_the_public_surface():
     sections = _api_sections()
     top_names, top_text = next(v for k, v in sections.items() if k.startswith("`metaseq_oneload`"))
     assert top_names >= TOP_LEVEL - {"CheckpointLayout", "LoadedCheckpoint", "LoadReport", "LoadPlan",
-                                     "ConvertReport", "VerifyReport", "TensorDiff", "HFExport"}
+                                     "ConvertReport", "VerifyReport", "TensorDiff", "HFExport", "DigestReport"}
     for name in metaseq_oneload.__all__:  # the result types and errors named in the text
         assert f"`{name}" in top_text, name
     for sub, names in SUBMODULES.items():

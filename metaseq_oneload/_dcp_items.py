@@ -1,0 +1,400 @@
+"""The items of a ``.distcp`` file, checked as ``torch.load`` checks a file.
+
+``torch.distributed.checkpoint``'s default writer (``SerializationFormat.TORCH_SAVE``) puts
+each chunk of each tensor in a ``.distcp`` file as one whole ``torch.save`` archive, one after
+the other; the ``.metadata`` says where each lies (:class:`._dcp_meta.Item`). An item is
+parsed here as the zip it is (:func:`._zip.parse_archive` through a window onto the file, so
+no byte outside the item is ever taken for it), its pickle read by the one-pass header
+reader under torch's ``weights_only`` allowlist (:func:`._unpickle.header`), and its one
+tensor checked against the chunk the ``.metadata`` declares: dtype, shape, contiguous, every
+element inside its storage record. What comes back is the absolute byte offset of the
+chunk's elements in the ``.distcp`` file, which the engine then reads in place.
+
+(local) throughout; results are cached per file version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import json
+import math
+import os
+import struct
+
+import torch
+
+from . import _storage
+from ._dcp_meta import Item, metadata_of
+from ._errors import CheckpointLayoutError, UnsafeCheckpointError
+from ._unpickle import header
+from ._zip import ZipIndex, parse_archive, record_bytes, stat_key
+
+__all__ = ["item_label", "chunk_data_offset", "data_spans", "chunk_tensor", "chunk_key", "parse_chunk_key",
+           "item_value", "prefetch_items", "vouch", "vouched_spans"]
+
+
+class _Window:
+    """Bytes ``base .. base+size`` of an open file, read as if they were a file of their own
+    (what :func:`._zip.parse_archive` reads through)."""
+
+    def __init__(self, fd, base: int, size: int):
+        self.fd, self.base, self.size = fd, base, size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        n = max(0, min(n, self.size - offset))
+        return _storage.pread(self.fd, n, self.base + offset) if n else b""
+
+    def prefetch(self, ranges) -> None:
+        if not isinstance(self.fd, int):
+            self.fd.prefetch([(self.base + a, n) for a, n in ranges])
+
+    def close(self) -> None:
+        pass
+
+
+def item_label(path: str, fqn: str, item: Item) -> str:
+    """How messages name one item: the file, the tensor and the bytes."""
+    return f"{path} (the item of {fqn} at bytes {item.offset}..{item.offset + item.length})"
+
+
+def chunk_key(fqn: str, offsets: tuple) -> str:
+    """The Extent key of one chunk: its FQN and its offsets (how the ``.metadata`` finds it)."""
+    return fqn + "\x00" + ",".join(map(str, offsets))
+
+
+def parse_chunk_key(key: str) -> tuple:
+    fqn, _, offs = key.rpartition("\x00")
+    return fqn, tuple(int(x) for x in offs.split(",")) if offs else ()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _archive(key: tuple, offset: int, length: int, label: str) -> tuple:
+    """(the item's ZipIndex with absolute offsets, its pickle's bytes)."""
+    path = key[0]
+    fd = _storage.open_ro(path)
+    try:
+        size = _storage.fsize(fd)
+        if offset + length > size:
+            raise CheckpointLayoutError(
+                f"{label}: the .metadata places it past the end of the file ({size} bytes). The folder is "
+                "incomplete or the file was cut short: copy the folder again from where it was saved.")
+        window = _Window(fd, offset, length)
+        index = parse_archive(window, label)
+        pkl = index.records.get("data.pkl")
+        if pkl is None:
+            raise CheckpointLayoutError(f"{label}: the archive holds no {index.folder}/data.pkl (the pickle "
+                                        "torch.load reads).")
+        data = bytes(record_bytes(window, pkl, label, index.folder))
+    finally:
+        _storage.close(fd)
+    moved = {n: dataclasses.replace(r, header_offset=r.header_offset + offset, data_offset=r.data_offset + offset)
+             for n, r in index.records.items()}
+    return ZipIndex(path, index.folder, moved, index.byteorder), data
+
+
+def _index_of(path: str, item: Item, label: str) -> tuple:
+    try:
+        key = stat_key(path)
+    except OSError as e:
+        raise CheckpointLayoutError(f"{label}: cannot read the file ({e.strerror or e}).") from e
+    return _archive(key, item.offset, item.length, label)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _head(key: tuple, offset: int) -> bytes:
+    fd = _storage.open_ro(key[0])
+    try:
+        return _storage.pread(fd, 4, offset)
+    finally:
+        _storage.close(fd)
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _safetensors_header(key: tuple, offset: int) -> tuple:
+    """(header, first data byte, file size) of a safetensors blob at ``offset`` of a file
+    (once per blob: every tensor item of a file points at the same one)."""
+    label = f"{key[0]} (the safetensors blob at byte {offset})"
+    fd = _storage.open_ro(key[0])
+    try:
+        size = _storage.fsize(fd)
+        raw = _storage.pread(fd, 8, offset)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < n <= min(size - offset - 8, 100 << 20):
+            raise CheckpointLayoutError(f"{label}: neither a torch.save archive nor a safetensors blob (the two "
+                                        "serializations torch.distributed.checkpoint writes); the file is damaged.")
+        try:
+            header = json.loads(_storage.pread(fd, n, offset + 8))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointLayoutError(f"{label}: a damaged safetensors header ({e}).") from None
+    finally:
+        _storage.close(fd)
+    if not isinstance(header, dict):
+        raise CheckpointLayoutError(f"{label}: a damaged safetensors header.")
+    try:
+        info = json.loads((header.get("__metadata__") or {}).get("DCP_SHARDING_INFO", "{}"))
+    except (AttributeError, TypeError, ValueError):
+        info = None
+    return header, info if isinstance(info, dict) else {}, offset + 8 + n, size
+
+
+def _safetensors_chunk(path: str, fqn: str, item: Item, dtype: torch.dtype, offsets: tuple, sizes: tuple,
+                       label: str) -> int:
+    """SerializationFormat.SAFETENSORS: every tensor item of a file points at one safetensors
+    blob (after the file's pickled values), which holds each chunk under its FQN and the
+    chunk's offsets in its DCP_SHARDING_INFO. (torch 2.13 writes it and cannot read it back.)"""
+    header, info, start, size = _safetensors_header(stat_key(path), item.offset)
+    entry = header.get(fqn)
+    try:
+        saved = info.get(fqn, {}).get("saved_offsets")
+        b, e = entry["data_offsets"]
+        found = (entry["dtype"], tuple(entry["shape"]), tuple(saved or ()))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise CheckpointLayoutError(f"{label}: its safetensors blob holds no chunk of {fqn} with DCP_SHARDING_INFO "
+                                    "offsets; the file is damaged or of another save.") from None
+    want = (_ST_NAMES.get(dtype), tuple(sizes), tuple(offsets))
+    if found != want or not (type(b) is int and type(e) is int and 0 <= b and e - b == item.length
+                             and start + e <= size):
+        raise CheckpointLayoutError(
+            f"{label}: its safetensors blob holds {found[0]} {list(found[1])} at offsets {list(found[2])} (bytes "
+            f"{b}..{e}), the .metadata declares {want[0]} {list(sizes)} at {list(offsets)} ({item.length} bytes). "
+            "The folder mixes two saves or was edited: copy it again from where it was saved.")
+    return start + b
+
+
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offsets: tuple, sizes: tuple) -> int:
+    """(local) Where in ``path`` the elements of the chunk ``item`` holds start, once its
+    archive and its pickle agree with the ``.metadata`` (dtype ``dtype``, shape ``sizes``;
+    a safetensors-serialized item: its header, and the chunk's ``offsets``).
+
+    Raises:
+        CheckpointLayoutError: naming the file, the tensor and the item's bytes.
+    """
+    label = item_label(path, fqn, item)
+    try:
+        key = stat_key(path)
+    except OSError as e:
+        raise CheckpointLayoutError(f"{label}: cannot read the file ({e.strerror or e}).") from e
+    if item.offset + item.length > key[1]:
+        raise CheckpointLayoutError(
+            f"{label}: the .metadata places it past the end of the file ({key[1]} bytes). The folder is "
+            "incomplete or the file was cut short: copy the folder again from where it was saved.")
+    if _head(key, item.offset) != b"PK\x03\x04":
+        if item.length == math.prod(sizes) * dtype.itemsize:
+            return _safetensors_chunk(path, fqn, item, dtype, offsets, sizes, label)
+        raise CheckpointLayoutError(
+            f"{label}: not a torch.save archive, and not the bytes of the chunk. The .metadata places it "
+            "elsewhere than the item is, or the file is damaged: copy the folder again from where it was saved.")
+    index, data = _index_of(path, item, label)
+    why = index.why_not_range_readable
+    if why:
+        raise CheckpointLayoutError(f"{label}: {why}; metaseq-oneload reads DCP items in place. Load the folder "
+                                    "with torch.distributed.checkpoint.load.")
+    obj, problem = header(label, index, data)
+    if problem:
+        raise CheckpointLayoutError(f"{label}: {problem}; torch.load would read wrong bytes or refuse it. The "
+                                    "file is damaged or was edited: copy the folder again from where it was saved.")
+    if type(obj) is not torch.Tensor:
+        raise CheckpointLayoutError(
+            f"{label}: not a plain torch.save of one tensor, what torch.distributed.checkpoint writes for a "
+            f"tensor's chunk (found {type(obj).__name__ if obj is not None else 'a pickle this reader does not read'})."
+            " The file is damaged or was written by another writer: load it with torch.distributed.checkpoint.load.")
+    found = (obj.dtype, tuple(obj.shape))
+    if found != (dtype, tuple(sizes)):
+        raise CheckpointLayoutError(
+            f"{label}: holds a {str(obj.dtype).replace('torch.', '')} tensor of shape {list(obj.shape)}, the "
+            f".metadata declares {str(dtype).replace('torch.', '')} {list(sizes)} for this chunk. The folder mixes "
+            "two saves or was edited: copy it again from where it was saved.")
+    base = getattr(obj.untyped_storage(), "_oneload_offset", None)  # the record's verified place
+    offset = None if base is None or not obj.is_contiguous() else int(base) + obj.storage_offset() * obj.element_size()
+    if offset is None and obj.numel() > 0:
+        raise CheckpointLayoutError(f"{label}: its tensor's elements are not one run of bytes (strides "
+                                    f"{list(obj.stride())}); torch.distributed.checkpoint saves contiguous chunks.")
+    return offset if offset is not None else item.offset
+
+
+# What parsing an item reads of it: its first bytes (the local headers and the pickle; a
+# RemoteFile's smallest fetch) and its last (the end record and the central directory: the
+# zip parser reads the last 22 + 65535 bytes, the longest a comment may make it).
+_ITEM_HEAD = 16 << 10
+_ITEM_TAIL = 22 + 0xFFFF
+_PREFETCH_BATCH = 64  # items per batch: a batch's ranges stay few MB in the segment cache
+
+
+def prefetch_items(path: str, items) -> None:
+    """(local) On an object store, fetch what :func:`chunk_data_offset` will parse of each of
+    ``items`` (of the file ``path``) concurrently, neighbouring ranges in one request (one
+    item's tail and the next one's head), into the shared segment cache: describing a folder
+    then waits for a few rounds of requests instead of two per item in turn. Checks
+    nothing (the parse does, from the cache); a no-op for local files."""
+    if not _storage.is_url(path):
+        return
+    fd = _storage.open_ro(path)
+    try:
+        todo = sorted({(it.offset, it.length) for it in items
+                       if it.length > 0 and 0 <= it.offset and it.offset + it.length <= fd.size})
+        for i in range(0, len(todo), _PREFETCH_BATCH):
+            ranges = []
+            for offset, length in todo[i:i + _PREFETCH_BATCH]:
+                tail = min(length, _ITEM_TAIL)
+                ranges += [(offset, min(length, _ITEM_HEAD)), (offset + length - tail, tail)]
+            fd.prefetch(ranges)
+    finally:
+        _storage.close(fd)
+
+
+# (starts, ends) of the chunks of .distcp files that the rank which described the folder
+# checked (chunk_data_offset) and sent in the layout, by file version: a rank that adopts
+# the layout takes them instead of parsing every item again (a file changed since has
+# another version and is parsed). Only ever a subset of what data_spans finds: a read
+# outside them is checked against the parsed items (RangeReader).
+_VOUCHED: dict = {}
+
+
+def vouch(spans: dict) -> None:
+    """(local) Record ``{path: (starts, ends)}`` a describing rank verified (see above)."""
+    for path, se in spans.items():
+        try:
+            _VOUCHED[stat_key(path)] = (list(se[0]), list(se[1]))
+        except OSError:
+            pass
+
+
+def vouched_spans(path: str):
+    """(local) The spans :func:`vouch` recorded for this version of ``path``, or None."""
+    try:
+        return _VOUCHED.get(stat_key(path))
+    except OSError:
+        return None
+
+
+def data_spans(path: str) -> tuple:
+    """(local) (starts, ends) of the chunks' elements in a ``.distcp`` file, sorted, from the
+    ``.metadata`` beside it, each item checked: every read of the file must lie inside one."""
+    folder, name = os.path.split(path)
+    meta = metadata_of(folder)
+    spans = []
+    for t in meta.tensors.values():
+        for c in t.chunks:
+            item = meta.item(t.fqn, c.offsets)
+            if item is None or item.relative_path != name or item.transforms or not math.prod(c.sizes):
+                continue
+            start = chunk_data_offset(path, t.fqn, item, t.dtype, c.offsets, c.sizes)
+            spans.append((start, start + math.prod(c.sizes) * t.dtype.itemsize))
+    spans.sort()
+    return [a for a, _ in spans], [b for _, b in spans]
+
+
+def chunk_tensor(path: str, key: str) -> torch.Tensor:
+    """(local) The chunk an Extent key names, read by ``torch.load(weights_only=True)`` from
+    its item's bytes: the independent path ``verify=True`` checks the in-place reads with."""
+    fqn, offsets = parse_chunk_key(key)
+    item = metadata_of(os.path.dirname(path)).item(fqn, offsets)
+    if item is None:
+        raise CheckpointLayoutError(f"{path}: the .metadata beside it no longer lists chunk {offsets} of {fqn}.")
+    label = item_label(path, fqn, item)
+    if _head(stat_key(path), item.offset) != b"PK\x03\x04":  # a safetensors blob: safetensors' own reader
+        from safetensors.torch import load as st_load
+
+        _safetensors_header(stat_key(path), item.offset)  # its checks first
+        fd = _storage.open_ro(path)
+        try:
+            header_and_data = _storage.pread(fd, _storage.fsize(fd) - item.offset, item.offset)
+        finally:
+            _storage.close(fd)
+        return st_load(header_and_data)[fqn].reshape(-1)
+    _index_of(path, item, label)  # the archive's checks first
+    fd = _storage.open_ro(path)
+    try:
+        blob = _storage.pread(fd, item.length, item.offset)
+    finally:
+        _storage.close(fd)
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True).reshape(-1)
+
+
+# What a pickled value of a DCP folder (an optimizer's param_groups, a step counter) may be.
+_PLAIN = (int, float, bool, str, type(None), bytes)
+
+
+# Nodes _plain visits at most, shared ones once per path: a pickle's memo lets a few KB
+# name a list nested 14 deep 40 times over (40**14 paths); torch.load builds it in 1 ms.
+PLAIN_BUDGET = 100_000
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _plain(x, depth: int = 0, budget: list = None) -> bool:
+    budget = [PLAIN_BUDGET] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooBig
+    if type(x) in _PLAIN:
+        return True
+    if depth > 16:
+        return False
+    if type(x) in (list, tuple):
+        return all(_plain(v, depth + 1, budget) for v in x)
+    if type(x) is dict:
+        return all(type(k) in _PLAIN and _plain(v, depth + 1, budget) for k, v in x.items())
+    return False
+
+
+def item_value(folder: str, fqn: str) -> object:
+    """(local) The non-tensor value a DCP folder saved under ``fqn`` (a ``BytesStorageMetadata``
+    item: one ``torch.save`` archive), read by the allowlisted one-pass reader only and only
+    when it is plain data (numbers, strings, bools, None, lists, tuples, dicts of them).
+
+    Raises:
+        UnsafeCheckpointError: the item needs anything else (a class, a function, a tensor);
+            nothing from it was built.
+        CheckpointLayoutError: the item is missing or damaged.
+    """
+    meta = metadata_of(folder)
+    item = meta.item(fqn, None)
+    if item is None or fqn not in meta.values:
+        raise CheckpointLayoutError(f"{meta.path}: lists no pickled value {fqn}. The .metadata is damaged: copy "
+                                    "the folder again from where it was saved.")
+    path = folder.rstrip("/") + "/" + item.relative_path if _storage.is_url(folder) else os.path.join(
+        folder, item.relative_path)
+    rel = item.relative_path
+    outside = rel in ("", ".", "..") or "/" in rel or "\\" in rel or "\0" in rel or (
+        not _storage.is_url(folder) and os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder))
+    if item.transforms or outside:
+        what = ", ".join(item.transforms) or f"a path outside the folder ({item.relative_path!r})"
+        raise CheckpointLayoutError(f"{item_label(path, fqn, item)}: written with {what}, which metaseq-oneload does "
+                                    "not read; load it with torch.distributed.checkpoint.load.")
+    label = item_label(path, fqn, item)
+    try:
+        key = stat_key(path)
+    except OSError as e:
+        raise CheckpointLayoutError(f"{label}: cannot read the file ({e.strerror or e}).") from e
+    if item.offset + item.length > key[1] or _head(key, item.offset) != b"PK\x03\x04":
+        raise CheckpointLayoutError(f"{label}: not a torch.save archive inside the file. The folder is damaged or "
+                                    "incomplete: copy it again from where it was saved.")
+    index, data = _index_of(path, item, label)
+    obj, problem = header(label, index, data)
+    if problem:
+        raise CheckpointLayoutError(f"{label}: {problem}. The file is damaged or was edited.")
+    # header() answers (None, None) both for a pickled None and for a pickle it does not read
+    none = len(data) in (2, 4) and data[-2:] == b"N." and (len(data) == 2 or data[0] == 0x80)
+    try:
+        plain = _plain(obj)
+    except _TooBig:
+        raise UnsafeCheckpointError(
+            f"{label}: the value saved as {fqn} holds more than {PLAIN_BUDGET} values (counting each shared "
+            "list or dict once per place it appears), far more than an optimizer's param_groups; refused, "
+            "nothing of it was built. Re-save it from a trusted copy.") from None
+    if (obj is None and not none) or not plain:
+        raise UnsafeCheckpointError(
+            f"{label}: the value saved as {fqn} is not plain data (numbers, strings, bools, None, lists, tuples, dicts "
+            "of them), what an optimizer's param_groups hold; refused, nothing of it was built. Re-save it from a "
+            "trusted copy, or load it with torch.distributed.checkpoint.load if you trust the file.")
+    return obj
