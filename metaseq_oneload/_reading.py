@@ -371,10 +371,15 @@ class RangeReader:
     def _pread(self, path: str, offset: int, out: torch.Tensor, sink=None) -> None:
         view = _writable_buffer(out)
         spans = self._record_spans(path)
-        if spans is not None and path in self._vouched and not _inside(spans, offset, len(view)):
-            # the describing rank vouched for the chunks of its layout only: parse the items
-            self._vouched.discard(path)
-            spans = self._spans[path] = data_spans(path)
+        if spans is not None and not _inside(spans, offset, len(view)):
+            # The describing rank vouched for the chunks of its layout only: parse the items,
+            # once, while this file's other readers wait (the reads run on a pool: one that
+            # missed too must not check against the vouched spans while they are replaced).
+            with self._lock:
+                if path in self._vouched:
+                    self._vouched.discard(path)
+                    self._spans[path] = data_spans(path)
+                spans = self._spans[path]
         if spans is not None:  # every read lies inside one storage record, whatever computed it
             if not _inside(spans, offset, len(view)):
                 raise CheckpointLayoutError(

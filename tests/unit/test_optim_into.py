@@ -80,6 +80,21 @@ def test_verify_covers_the_state():
     assert_same(model, optim, theirs_model, theirs)
 
 
+def test_state_loads_after_an_adopting_rank_vouched_for_the_model_s_chunks_only():
+    # A rank that adopted the model-only layout of this folder (another load in the same
+    # process) recorded spans that hold none of the optimizer's chunks; the reads of the
+    # state, on the reader's pool, fall back to parsing the items, never to a refusal.
+    from metaseq_oneload import inspect
+    from metaseq_oneload.formats.dcp import vouch_layout
+
+    vouch_layout(inspect(OPTIM))
+    model = TinyMetaseqLM()
+    optim = _adam(model)
+    load_into(model, OPTIM, optimizer=optim, no_dist=True)
+    theirs_model, theirs = torch_way(OPTIM)
+    assert_same(model, optim, theirs_model, theirs)
+
+
 def test_no_optimizer_state_is_refused():
     model = TinyMetaseqLM()
     optim = _adam(model)
