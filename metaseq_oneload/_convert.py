@@ -36,7 +36,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from ._dcp_write import write_dcp
 from ._errors import ConversionError, DigestError, OptionError, OutputExistsError
 from ._layout import CheckpointLayout, FileName
 from ._options import check_option
-from ._outputs import OutputSet, local_destination
+from ._outputs import OutputSet, check_space, local_destination
 from ._plan import plan_part
 from ._reading import RangeReader, read_header
 from ._verify import TensorDiff, VerifyReport, verify
@@ -293,7 +292,7 @@ def convert(
                                   "whole, once: one job")
         stale = outputs.clean_stale()
         total_bytes, total_tensors = conv.total_bytes(), conv.total_tensors()
-        _check_space(prefix, finals, total_bytes)
+        check_space(os.path.dirname(prefix), finals, total_bytes)
         meter = Meter(progress, total_bytes, total_tensors, "convert")
         written, read = _write_all(conv, outs, outputs, chunk, n_jobs, meter)
         recorded = _recorded_digests(conv)
@@ -383,16 +382,6 @@ def _sizes(budget: int, chunk_mb: float, jobs: Optional[int], files: int) -> tup
         chunk = max(1 << 16, budget // _CHUNKS_PER_JOB)
     n_jobs = max(1, min(int(jobs) if jobs else (os.cpu_count() or 1), files, budget // (_CHUNKS_PER_JOB * chunk)))
     return chunk, n_jobs
-
-
-def _check_space(prefix: str, finals: Sequence[str], total_bytes: int) -> None:
-    reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
-    free = shutil.disk_usage(os.path.dirname(prefix)).free
-    if total_bytes - reclaimed > free:
-        raise ConversionError(
-            f"{os.path.dirname(prefix)}: the output needs about {total_bytes / (1 << 30):.2f} GiB and the disk has "
-            f"{free / (1 << 30):.2f} GiB free; nothing was written. Free space or choose another folder."
-        )
 
 
 def _write_all(conv: Conversion, outs: Sequence[Output], outputs: OutputSet, chunk: int, n_jobs: int,

@@ -45,7 +45,6 @@ import contextlib
 import os
 import pickle
 import re
-import shutil
 import threading
 import uuid
 from dataclasses import dataclass
@@ -55,11 +54,11 @@ import torch
 
 from ._dcp_meta import read_metadata
 from ._digest_record import WriteDigests, canonical_routes
-from ._errors import ConversionError, OneloadError, OptionError, OutputExistsError
+from ._errors import OneloadError, OptionError, OutputExistsError
 from ._execute import ReadItem
 from ._layout import CheckpointLayout
 from ._optim import state_of
-from ._outputs import OutputSet, destination_error, local_destination, open_for_writing, write_new
+from ._outputs import OutputSet, check_space, destination_error, local_destination, open_for_writing, write_new
 from ._plan import plan_part
 from ._reading import RangeReader, read_header
 from ._writing import Cancelled, Meter, Record, append_torch, executor_chunks, storage_key
@@ -226,7 +225,7 @@ def write_dcp(path: Any, dst: Any, *, model_parallel: Optional[int], shards: Opt
     try:
         stale = outputs.clean_stale()
         total = sum(i.nbytes for f in items for i in f)
-        _check_space(folder, finals, total + _ITEM_OVERHEAD * sum(map(len, items)))
+        check_space(folder, finals, total + _ITEM_OVERHEAD * sum(map(len, items)))
         meter = Meter(progress, total, sum(map(len, items)), "convert")
         if any(f.format not in ("zip", "safetensors", "distcp") for f in layout.all_files):
             # Sources that cannot be range-read are read whole: once, through one reader.
@@ -280,15 +279,6 @@ def _content_digest(digests: WriteDigests, notes: list) -> Optional[str]:
         notes.append(f"no content digest: {e}")
         return None
     return content["model"] if content else None
-
-
-def _check_space(folder: str, finals: Sequence[str], need: int) -> None:
-    reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
-    free = shutil.disk_usage(folder).free
-    if need - reclaimed > free:
-        raise ConversionError(
-            f"{folder}: the output needs about {need / (1 << 30):.2f} GiB and the disk has {free / (1 << 30):.2f} "
-            "GiB free; nothing was written. Free space or choose another folder.")
 
 
 def _write_files(items: list, targets: dict, outputs: OutputSet, finals: Sequence[str], chunk_bytes: int, jobs: int,

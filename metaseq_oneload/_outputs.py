@@ -392,6 +392,21 @@ def interrupted_commit(directory: str, prefix: str) -> Optional[str]:
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 
 
+def check_space(folder: str, finals: Sequence[str], need: int) -> None:
+    """(local) Refuse an output of about ``need`` bytes into ``folder`` before anything is
+    written, counting as free the files it replaces (``finals`` that exist).
+
+    Raises:
+        ConversionError: the disk does not have the room.
+    """
+    reclaimed = sum(os.path.getsize(f) for f in finals if os.path.isfile(f))
+    free = shutil.disk_usage(folder).free
+    if need - reclaimed > free:
+        raise ConversionError(
+            f"{folder}: the output needs about {need / (1 << 30):.2f} GiB and the disk has {free / (1 << 30):.2f} "
+            "GiB free; nothing was written. Free space or choose another folder.")
+
+
 def local_destination(dst: "str | os.PathLike") -> str:
     """(local) ``dst`` as given, once it is sure to name a local (or mounted) path.
 

@@ -27,3 +27,17 @@ def test_the_cli_names_the_url(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 2 and "s3://b/x: outputs are written to a local" in r.stderr, r.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_an_output_the_disk_has_no_room_for_is_refused_before_anything_is_written(tmp_path, monkeypatch, fmt):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 20, 1 << 20, 4096))  # a full disk
+    dst = tmp_path / "out"
+    with pytest.raises(mo.ConversionError, match=r"the output needs about .* GiB and the disk has 0\.00 GiB free; "
+                                                 r"nothing was written"):
+        mo.convert(FIXTURES / "singleton", dst / "ck" if fmt == "torch" else dst, format=fmt)
+    assert not dst.exists() or not [p for p in dst.rglob("*") if p.is_file() and not p.name.startswith(".")]
