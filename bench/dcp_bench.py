@@ -31,8 +31,9 @@ ours through its own fsspec storage, ``dcp.load`` through torch's ``FsspecReader
 
 Columns, each over the checkpoint's bytes B (the ``.distcp`` files):
 
-* ``served / B``: what the S3 proxy served during the run (its counters, reset before it;
-  the rows also give its count of GETs);
+* ``served / B``: what the S3 proxy served during the run (its counters, reset before it),
+  and ``GETs``, the requests it relayed (the JSON rows of ours also give ours' own count,
+  ``requests``, stats and lists included, and ``retries``);
 * ``rchar / B``: read-type calls of every rank (``/proc/self/io``), local storage: what a
   shared filesystem would serve;
 * ``read_bytes / B``: what the block device served, cold (all ranks share this machine's page
@@ -166,7 +167,12 @@ def _worker(rank, world, store, kind, path, shapes, dims, out, env) -> None:
                 held["keep"] = go()
                 return held["keep"]
 
+            from metaseq_oneload import _storage
+
+            _storage.reset_stats()
             res = measure_rank(timed)
+            # ours only: its requests as it counts them (a retry is a request again)
+            res["remote"] = _storage.stats() if kind.startswith("ours") else None
             res["checksum"] = _checksum(kind, held.pop("keep"))
         except Exception as e:
             res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400],
@@ -269,7 +275,7 @@ def run(ctx, kind, world, path, local, shapes, dims, tmp, env, proxy) -> dict:
     errors = [r for r in res if "error" in r]
     if errors:
         return {"error": errors[0]["error"], "trace": errors[0]["trace"]}
-    out = {k: [r[k] for r in res] for k in ("extra", "seconds", "rchar", "read_bytes", "report", "checksum")}
+    out = {k: [r[k] for r in res] for k in ("extra", "seconds", "rchar", "read_bytes", "report", "checksum", "remote")}
     out["served"] = served
     return out
 
@@ -283,6 +289,8 @@ def _row(r: dict, base: dict, nbytes: int, storage: str) -> dict:
                 "seconds": round(max(r["seconds"]), 2), "checksums": r["checksum"]})
     if storage == "s3":
         row.update({"served_x": round(r["served"]["body_bytes"] / nbytes, 3), "gets": r["served"]["gets"]})
+        if all(r["remote"]):
+            row.update({k: sum(x[k] for x in r["remote"]) for k in ("requests", "retries")})
     else:
         row.update({"rchar_x": round(sum(r["rchar"]) / nbytes, 3), "read_bytes_x": round(sum(r["read_bytes"]) / nbytes, 3)})
     reps = [x for x in r["report"] if x]
@@ -297,14 +305,14 @@ def _table(rows: list) -> None:
     for r in rows:
         m = merged.setdefault((r["gib"], r["source"], r["kind"]), {**r})
         m.update({f"{k}@{r['storage']}": v for k, v in r.items() if k in ("seconds", "peak_x", "error", "max_peak_x")})
-        m.update({k: v for k, v in r.items() if k in ("served_x", "rchar_x", "read_bytes_x")})
+        m.update({k: v for k, v in r.items() if k in ("served_x", "gets", "rchar_x", "read_bytes_x")})
         if "strategy" in r:
             m[f"strategy@{r['storage']}"] = r["strategy"]
 
     def cell(m, k, fmt="{:.2f}x"):
         return fmt.format(m[k]) if k in m else "-"
 
-    header = ["GiB", "saved by", "target", "loader", "S3 served / B", "rchar / B", "read_bytes / B (cold)",
+    header = ["GiB", "saved by", "target", "loader", "S3 served / B", "S3 GETs", "rchar / B", "read_bytes / B (cold)",
               "sum of peaks / B", "max peak / B", "wall s local", "wall s S3"]
     body = []
     for (gib, source, kind), m in merged.items():
@@ -315,7 +323,7 @@ def _table(rows: list) -> None:
             loader += f" ({', '.join(chose)})"
         err = m.get("error@local") or m.get("error@s3")
         peak_of = "local" if "peak_x@local" in m else "s3"
-        body.append([f"{gib:g}", source, target, loader, cell(m, "served_x"), cell(m, "rchar_x"),
+        body.append([f"{gib:g}", source, target, loader, cell(m, "served_x"), cell(m, "gets", "{}"), cell(m, "rchar_x"),
                      cell(m, "read_bytes_x"), cell(m, f"peak_x@{peak_of}"), cell(m, f"max_peak_x@{peak_of}"),
                      cell(m, "seconds@local", "{:.2f}"), cell(m, "seconds@s3", "{:.2f}")]
                     + ([f"error: {err}"] if err else []))

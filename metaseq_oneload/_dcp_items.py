@@ -44,6 +44,11 @@ class _Window:
 
     def pread(self, n: int, offset: int) -> bytes:
         n = max(0, min(n, self.size - offset))
+        if n and not isinstance(self.fd, int) and n < _ITEM_TAIL and offset + n > self.size - _ITEM_TAIL:
+            # the archive's end record, then its central directory and ZIP64 locator before
+            # it: one fetch of the item's last bytes (none where prefetch_items took them)
+            tail = min(self.size, _ITEM_TAIL)
+            self.prefetch([(self.size - tail, tail)])
         return _storage.pread(self.fd, n, self.base + offset) if n else b""
 
     def prefetch(self, ranges) -> None:
@@ -191,7 +196,7 @@ def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offse
         raise CheckpointLayoutError(
             f"{label}: not a torch.save archive, and not the bytes of the chunk. The .metadata places it "
             "elsewhere than the item is, or the file is damaged: copy the folder again from where it was saved.")
-    index, data = _index_of(path, item, label)
+    index, data = _archive(key, item.offset, item.length, label)  # the version checked above
     why = index.why_not_range_readable
     if why:
         raise CheckpointLayoutError(f"{label}: {why}; metaseq-oneload reads DCP items in place. Load the folder "
@@ -219,11 +224,13 @@ def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offse
     return offset if offset is not None else item.offset
 
 
-# What parsing an item reads of it: its first bytes (the local headers and the pickle; a
-# RemoteFile's smallest fetch) and its last (the end record and the central directory: the
-# zip parser reads the last 22 + 65535 bytes, the longest a comment may make it).
-_ITEM_HEAD = 16 << 10
-_ITEM_TAIL = 22 + 0xFFFF
+# What parsing an item reads of it: its first bytes (the local headers, the pickle: about
+# 1 KiB for one tensor) and its last (the trailing records, the central directory and the
+# end record: under 1 KiB; torch.save writes no comment, so the zip parser reads the last
+# 22 bytes, not 64 KiB). An item that needs more (a long pickle) costs another request, no
+# check less.
+_ITEM_HEAD = 4 << 10
+_ITEM_TAIL = 4 << 10
 _PREFETCH_BATCH = 64  # items per batch: a batch's ranges stay few MB in the segment cache
 
 

@@ -213,7 +213,10 @@ class _Machine:
             self.step(name)
 
     def step(self, name: str) -> None:
-        if not (self.scalar(name) or self.container(name) or self.memo_op(name)):
+        # Straight to the one method that handles the opcode (each returns False for any
+        # other): a memo opcode, most of a .metadata's, no longer walks the two chains before.
+        group = _GROUP_OF.get(name)
+        if group is None or not group(self, name):
             self.objects(name)
 
     def scalar(self, name: str) -> bool:
@@ -293,8 +296,7 @@ class _Machine:
         if name in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
             if not self.stack:
                 raise _Damaged("a memo PUT with an empty stack")
-            idx = {"BINPUT": lambda: self.u("<B"), "LONG_BINPUT": lambda: self.u("<I"),
-                   "MEMOIZE": lambda: len(self.memo)}[name]()
+            idx = self.u("<B") if name == "BINPUT" else self.u("<I") if name == "LONG_BINPUT" else len(self.memo)
             self.memo[idx] = self.stack[-1]
         elif name in ("BINGET", "LONG_BINGET"):
             idx = self.u("<B") if name == "BINGET" else self.u("<I")
@@ -339,6 +341,19 @@ class _Machine:
             st.append(obj)
         else:  # pragma: no cover - every name in _OPS is handled above
             raise _Damaged(f"opcode {name}")
+
+
+# Which method of :class:`_Machine` handles each opcode (the names each one tests for; the
+# rest go to ``objects``, which refuses what it does not know).
+_GROUP_OF = {
+    **dict.fromkeys(("PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1",
+                     "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES",
+                     "BINBYTES"), _Machine.scalar),
+    **dict.fromkeys(("MARK", "POP", "POP_MARK", "DUP", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "TUPLE", "LIST",
+                     "TUPLE1", "TUPLE2", "TUPLE3", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "DICT"),
+                    _Machine.container),
+    **dict.fromkeys(("BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET"), _Machine.memo_op),
+}
 
 
 # --------------------------------------------------------------------------- the description

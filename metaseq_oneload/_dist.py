@@ -26,8 +26,11 @@ Two failures no exchange can carry, because a rank is not there to take part:
   to these (each was a hang or a wrong verdict once, ``tests/unit/test_checkin_protocol.py``):
   "ok" means every member will take part, so only a rank that will counts or marks itself
   arrived before the verdict (a failing rank claims it first, then marks itself told); a
-  rank's check-ins are those of the group counters it read once when its call reached
-  :func:`arrive` or :func:`tell_failed`, never one decided later for the others' next load;
+  rank's check-ins are those of the group counters it read once when its call began
+  (:func:`metaseq_oneload._begun.begin`: where an entry point or an integration's discovery starts; else when it
+  reached :func:`arrive` or :func:`tell_failed`), never one decided later for the others'
+  next load: a check-in the others gave up on meanwhile was this call's, so its failure is
+  not left for their next load and its arrival is told "too late" at once;
   a rank's next load withdraws a failure of its own earlier call in every group before it
   waits in any;
 * a rank that dies mid-load: the backend's own error (gloo's "Connection closed by peer")
@@ -54,11 +57,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._begun import began
 from ._errors import DistributedLoadError, OneloadError, OptionError, cap_list
 from ._settings import Settings, from_env, variable
 
-__all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "tell_failed", "tell_left", "arrival_timeout",
-           "clip",
+__all__ = ["Group", "PeerFailure", "settle", "first_failure", "arrive", "tell_failed",
+           "tell_left", "arrival_timeout", "clip",
            "ARRIVAL_TIMEOUT_ENV", "DEFAULT_ARRIVAL_TIMEOUT", "MESSAGE_CAP"]
 
 logger = logging.getLogger("metaseq_oneload")
@@ -391,6 +395,14 @@ class Group:
         """Store key prefix of this group's check-ins."""
         return f"{_KEY}/{self.role}/{hashlib.sha1(repr(self.members()).encode()).hexdigest()[:16]}"
 
+    def begun_key(self) -> Optional[tuple]:
+        """This group's entry in :data:`metaseq_oneload._begun.BEGUN` (the store too where it is all the group has:
+        ranks as threads); None where its ranks cannot be listed (its check-in says so)."""
+        try:
+            return (self._given[0] if self._given is not None else None, self._base())
+        except Exception:  # noqa: BLE001
+            return None
+
     def generation(self) -> Optional[int]:
         """(local, one store look-up) The number of this group's next check-in, taken when a
         load begins (:func:`arrive`) and passed to :meth:`check_in` as ``since``; None
@@ -627,20 +639,21 @@ def arrive(groups: Sequence[Group], timeout: float, what: str) -> None:
 
     The groups check in one after another, each passing on an earlier group's failure, so a
     rank missing from one data-parallel group stops the model-parallel neighbours too.
-    Each group's count of check-ins is read first, when the load begins: a later group's
-    check-in that the others settle while this rank waits in an earlier one is this load's,
-    and this rank stops with it (:meth:`Group.check_in`'s ``since``) instead of leaving its
-    verdict where their next load would meet it. A failure of this rank's own earlier call
-    is withdrawn in every group first (:meth:`Group.withdraw`), before it waits in any.
+    Each group's count of check-ins is read first, when the call began (:func:`metaseq_oneload._begun.begin`) or
+    else now: a check-in that the others settle (give up on, or fail) while this rank is
+    on its way, or waits in an earlier group, is this load's, and this rank stops with it
+    (:meth:`Group.check_in`'s ``since``) instead of leaving its verdict where their next
+    load would meet it. A failure of this rank's own earlier call is withdrawn in every
+    group first (:meth:`Group.withdraw`), before it waits in any.
     """
     active = [g for g in groups if g.active and g.size > 1]
-    since = [g.generation() for g in active]
-    for g, began in zip(active, since):
-        g.withdraw(began)
+    since = began(active)
+    for g, start in zip(active, since):
+        g.withdraw(start)
     failure = None
-    for g, began in zip(active, since):
+    for g, start in zip(active, since):
         g.at(f"{what}: checking in")
-        failure = g.check_in(timeout, failure, since=began)
+        failure = g.check_in(timeout, failure, since=start)
     if failure is not None:
         raise DistributedLoadError(f"{what}: {failure['message']}",
                                    {int(r): m for r, m in failure["failures"].items()})
@@ -659,9 +672,9 @@ def tell_failed(groups: Sequence[Group], error: BaseException, timeout: Optional
     except Exception:  # noqa: BLE001  (the caller's arrival_timeout= may be what failed)
         timeout = DEFAULT_ARRIVAL_TIMEOUT
     active = [g for g in groups if g.active and g.size > 1]
-    since = [g.generation() for g in active]  # once, as arrive does: this call's check-ins
+    since = began(active)  # as arrive does: this call's check-ins, from where it began
     failure = None
-    for g, began in zip(active, since):
+    for g, start in zip(active, since):
         if failure is None:
             me = g.global_rank
             reason = clip(f"{type(error).__name__}: {error}")
@@ -670,7 +683,7 @@ def tell_failed(groups: Sequence[Group], error: BaseException, timeout: Optional
                                   "every rank.",
                        "failures": {str(me): reason}}
         try:
-            g.check_in(timeout, failure, own=True, since=began)
+            g.check_in(timeout, failure, own=True, since=start)
         except Exception as e:  # noqa: BLE001  (the store is gone too: the others find out by their timeout)
             logger.debug("oneload: could not tell the %s group that rank %s failed: %s", g.role, g.global_rank, e)
 

@@ -120,13 +120,14 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
             error = e
         settle_digest(groups, error, f"loading {path}: finding the recorded digests")
     checked = 0
-    reader = (RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle, settings=opts.settings)
-              if layout is not None else None)
+    reader = None
     try:
         targets, structure, wants = _targets_and_wants(path, dp, mp, opts, flat, layout, strategy, topo,
                                                        structure_from, make_wants)
         part, ranges = _plan(path, dp, mp, opts, flat, layout, targets, wants, topo)
         total = sum(w.out.numel() * w.out.element_size() for w in wants)
+        if layout is not None:
+            reader = _reader(opts, part, dp)
         # Logged before the bar appears: a line printed under it would break it.
         if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
             logger.info("oneload: %s: strategy=%s (%s)", path, part.strategy, part.reason)
@@ -167,6 +168,23 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         warnings=layout.warnings if layout else (), bytes_received=moved.get("received", 0),
         bytes_from_other_nodes=moved.get("from_other_nodes", 0), bytes_sent=moved.get("sent", 0), plan=plan)
     return layout, targets, structure, report
+
+
+# Below this many bytes read by a rank, its reads go one after the other on the calling
+# thread: starting the reader's pool and handing it the pieces costs more than overlapping
+# them saves (bench/fixed_cost.py: an 8 MiB load read serially takes the time preadv does,
+# with the pools 1.5x that; serial was ahead up to 32 MiB on the 2-CPU machine measured).
+SERIAL_READ_BYTES = 32 << 20
+
+
+def _reader(opts: Options, part: PartPlan, dp: Group) -> RangeReader:
+    """(local) This rank's reader: the settings' pool of threads, or the serial reader where
+    the plan has it read little."""
+    mine = [r.bytes_read for r in part.ranks if r.data_parallel_rank == dp.rank]
+    # $METASEQ_ONELOAD_READ_THREADS set by the user is taken as it is, small loads included
+    serial = opts.settings.read_threads is None and bool(mine) and mine[0] < SERIAL_READ_BYTES
+    return RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle, settings=opts.settings,
+                       read_threads=1 if serial else None)
 
 
 # --------------------------------------------------------------------------- agreement
@@ -371,7 +389,8 @@ def _plan(path, dp: Group, mp: Group, opts: Options, flat: bool, layout, targets
     if dp.rank == 0:
         try:
             part = plan_part(layout, targets, ranges, direct, topo, opts, flat, mp.rank)
-            payload = to_wire(part)
+            if dp.active and dp.size > 1:  # only sent to the group's other ranks
+                payload = to_wire(part)
         except Exception as e:  # still send something: the others are waiting for it
             error, payload = e, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
     if dp.active and dp.size > 1:

@@ -18,15 +18,19 @@ store), and a local read beats the network.
 
 The plan is a pure function of what every rank gathered (wants, readers, nodes), computed
 alike on every rank, so every rank posts matching sends and receives in one order. Reads go
-in rounds of at most one chunk per reader (``bucket_bytes / readers`` each): a round's reads
-run on all readers at once, then its messages. Peak extra memory per rank: its outputs plus
-at most one bucket of staging (a read chunk that does not land in place, and received spans
-that do not).
+in rounds of at most one chunk per reader (``chunk_bytes_for``: under half of
+``bucket_bytes / readers``): a round's reads run on all readers at once, then its messages.
+Peak extra memory per rank: its outputs, plus at most one bucket of staging (a read chunk
+that does not land in place, and received spans that do not: none for CPU outputs of the
+stored dtype), plus, where ranks of a node hand pieces over in shared memory, its own
+segment (two slots of a round) and the few pieces it has mapped out of its neighbours'
+(``_Segments``): one bucket summed over the node's ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -358,8 +362,11 @@ def _in_place(wants: Sequence, lo: int, hi: int, dtype: torch.dtype, device: tor
 
 def chunk_bytes_for(bucket_bytes: int, readers: int) -> int:
     """A reader's share of a round: a round's chunks, double-buffered in shared memory
-    where ranks of a node share them, come to at most one bucket."""
-    return max(_ALIGN, bucket_bytes // (2 * max(1, readers)))
+    where ranks of a node share them, with the pieces each rank has mapped out of its
+    neighbours' segments while it copies (``_copy_all``), come to at most one bucket."""
+    share = bucket_bytes // max(1, readers)
+    window = min(_COPY_THREADS * _LENT_PIECE, share // 4)
+    return max(_ALIGN, (share - window) // 2 // _ALIGN * _ALIGN)
 
 
 _ALIGN = 64
@@ -390,7 +397,14 @@ class _Segments:
     """(all ranks of the group) One shared-memory file per rank that hands bytes to ranks of
     its node, in ``/dev/shm``, two slots (rounds alternate, so a rank fills the next while
     its neighbours still copy the last), mapped by those ranks and unlinked once all have
-    mapped it: nothing is left behind, whatever happens after."""
+    mapped it: nothing is left behind, whatever happens after.
+
+    A segment's pages belong to its writer's memory. A neighbour copies out of its mapping a
+    piece at a time and lets go of each piece's pages once copied (``MADV_DONTNEED``: the
+    bytes stay in the segment), so a node's segments are held once, not once more in each
+    rank that read them (a mapped page a process touched stays resident in it). A copy out
+    of the mapping, not a ``preadv`` of the file: that would count every hand-over as a read
+    (``rchar``), and the node reads each byte once."""
 
     def __init__(self, dp: Group, slot: Sequence[int], node_of: Sequence[int], base: str):
         self.maps: dict = {}
@@ -434,29 +448,66 @@ class _Segments:
         return self.maps[rank][start: start + nbytes].view(dtype)
 
 
+@dataclass(frozen=True)
+class _Lent:
+    """A neighbour's bytes in its mapped segment: copied out, then its pages let go."""
+
+    tensor: torch.Tensor
+
+
 _COPY_PIECE = 8 << 20
+# A piece out of a neighbour's segment: at most (copy threads) x this is mapped in a rank at once.
+_LENT_PIECE = 1 << 20
+_COPY_THREADS = 4
 _copiers: dict = {}  # pid -> pool: a forked child makes its own
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED, _MADV_POPULATE_READ = 4, 22
+_libc: list = []
+
+
+def _madvise(t: torch.Tensor, advice: int) -> None:
+    """``madvise`` over the whole pages inside ``t``'s bytes (best effort: a kernel without
+    the advice leaves the pages as they were)."""
+    a = t.data_ptr()
+    lo, hi = -(-a // _PAGE) * _PAGE, (a + t.numel() * t.element_size()) // _PAGE * _PAGE
+    if hi <= lo:
+        return
+    if not _libc:
+        _libc.append(ctypes.CDLL(None, use_errno=True))
+    _libc[0].madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(advice))
+
+
+def _copy_one(dst: torch.Tensor, src) -> None:
+    if not isinstance(src, _Lent):
+        dst.copy_(src)
+        return
+    _madvise(src.tensor, _MADV_POPULATE_READ)  # one call maps the piece, not a fault per page
+    dst.copy_(src.tensor)
+    _madvise(src.tensor, _MADV_DONTNEED)  # a shared mapping: only this rank's view goes
 
 
 def _copy_all(pairs: Sequence, threads: int) -> None:
-    """(local) ``dst.copy_(src)`` for every pair, large copies cut in pieces that run on a
-    few threads (a copy releases the GIL): a memory copy on one thread is slower than the
-    reader's parallel ``preadv`` of the same bytes out of the page cache."""
+    """(local) ``dst.copy_(src)`` for every pair (``src`` a tensor, or a neighbour's
+    ``_Lent`` bytes), large copies cut in pieces that run on a few threads (a copy releases
+    the GIL): a memory copy on one thread is slower than the reader's parallel ``preadv`` of
+    the same bytes out of the page cache."""
     pieces = []
     for dst, src in pairs:
-        n = dst.numel()
-        step = max(1, _COPY_PIECE // max(1, dst.element_size()))
-        pieces += [(dst[i: i + step], src[i: i + step]) for i in range(0, n, step)]
+        lent = isinstance(src, _Lent)
+        n, size = dst.numel(), max(1, dst.element_size())
+        step = max(1, (_LENT_PIECE if lent else _COPY_PIECE) // size)
+        pieces += [(dst[i: i + step], _Lent(src.tensor[i: i + step]) if lent else src[i: i + step])
+                   for i in range(0, n, step)]
     if threads <= 1 or len(pieces) <= 1:
         for dst, src in pieces:
-            dst.copy_(src)
+            _copy_one(dst, src)
         return
     pool = _copiers.get(os.getpid())
     if pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
         pool = _copiers[os.getpid()] = ThreadPoolExecutor(threads, thread_name_prefix="oneload-copy")
-    for f in [pool.submit(dst.copy_, src) for dst, src in pieces]:
+    for f in [pool.submit(_copy_one, dst, src) for dst, src in pieces]:
         f.result()
 
 
@@ -510,7 +561,7 @@ class _Exchange:
         self.dp, self.plan, self.targets, self.reader, self.fill, self.progress = (dp, plan, targets, reader, fill,
                                                                                    progress)
         self.me = dp.rank
-        self.threads = min(4, getattr(reader, "read_threads", 1)) if reader is not None else 1
+        self.threads = min(_COPY_THREADS, getattr(reader, "read_threads", 1)) if reader is not None else 1
         self.by_name: dict = {}
         for w in wants:
             self.by_name.setdefault(w.name, []).append(w)
@@ -592,8 +643,9 @@ class _Exchange:
                 if self.shared is not None and node_of[m.src] == node_of[m.dst]:
                     if m.dst == me:
                         src_lo = c.lo if c.owner == m.src else c.span_of(m.src)[0]
-                        src = self.shared.view(m.src, j, self.where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
-                                               m.hi - m.lo, view.dtype)
+                        src = _Lent(self.shared.view(m.src, j,
+                                                     self.where[(j, c_i, m.src)] + (m.lo - src_lo) * sizes[c.name],
+                                                     m.hi - m.lo, view.dtype))
                         copies.append((view, src))
                     continue
                 if m.src == me:

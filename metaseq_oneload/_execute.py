@@ -25,6 +25,7 @@ from ._errors import CheckpointLayoutError
 from ._exchange import exchange_loop
 from ._layout import StoredTensor
 from ._plan import BlockCopy, FlatCopy, TargetTensor
+from ._read_hints import sharing_requests
 from ._storage import is_url
 
 __all__ = ["ReadItem", "Want", "fill", "fill_all", "stream", "read_stored", "plain_runs", "execute", "counting",
@@ -135,8 +136,9 @@ def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader,
     threads = threads or min(4, getattr(reader, "read_threads", 1))
     pooled = [w for w in wants if threads > 1 and plain_runs(targets[w.name])]
     ids = {id(w) for w in pooled}
-    for w in wants:
-        if id(w) not in ids:
+    serial = [w for w in wants if id(w) not in ids]
+    with sharing_requests(targets, serial):  # an object's neighbouring ranges: one request
+        for w in serial:
             fill(targets[w.name], w.out, w.start, reader)
             if progress:
                 progress(w.out.numel() * w.out.element_size())

@@ -18,10 +18,12 @@ the layout with the other ranks, picks a strategy, and fills the wants:
 ``broadcast``
     On request (``auto`` sends ranks that cannot see the files to ``parallel``, which reads
     on every rank that can): data-parallel rank 0 of each
-    model-parallel part reads (byte ranges, as above) and broadcasts buckets of at most
-    ``bucket_mb``; receivers copy what they need out of each bucket (or, for ``flat=False``,
-    receive straight into their output tensors).
-    Peak extra = output + one bucket, on the reader and on every receiver.
+    model-parallel part reads (byte ranges, as above). Where every rank wants everything
+    (``flat=False``) it broadcasts large tensors straight from its output into theirs and
+    small ones in buckets of ``bucket_mb / W``: peak extra = output + ``bucket_mb / W`` per
+    rank, one bucket summed over the group. Where ranks want different pieces (flat shards,
+    FSDP2) it sends each rank its pieces point to point, received straight into its
+    tensors: the reader holds output + one bucket, the others their output.
 ``parallel``
     Read once, exchange: every byte some rank wants is read by one rank that sees the files
     (one that wants it where it can, balanced by bytes) and sent point to point to the
@@ -36,7 +38,9 @@ the layout with the other ranks, picks a strategy, and fills the wants:
     into it. Asked for by name, it reads every byte once in all, inside a node and across
     own copies too. Storage bytes read, summed over the cluster = the model's bytes (not W
     times; once per copy where nodes have their own). Peak extra = output + at most one
-    bucket of staging per rank, + the node's shared-memory slots.
+    bucket of staging per rank (pieces that cannot land in place: none for CPU outputs of
+    the stored dtype), + the rank's own shared-memory slots: ``bucket_mb / readers`` with
+    the pieces it has mapped out of its neighbours' (one bucket summed over a node).
 
 With no process group at all everything runs locally in one process (no collectives).
 """
@@ -53,6 +57,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ._begun import begin, load_call
 from ._dist import Group, tell_failed
 from ._engine import LoadReport, run
 from ._errors import StateDictMismatchError
@@ -168,6 +173,7 @@ def state_dict_wants(targets: Mapping[str, TargetTensor], structure: Optional[Fl
     return wants, out
 
 
+@load_call()  # where this call's check-ins count from is forgotten when it ends
 def load_checkpoint(
     path: "str | os.PathLike",
     *,
@@ -195,6 +201,7 @@ def load_checkpoint(
                         trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress,
                         arrival_timeout=arrival_timeout)
         dp, mp = _groups(process_group, model_parallel_group, no_dist)
+        begin((dp, mp))  # this call's check-ins are counted from here (_begun.begin)
     except BaseException as e:
         _tell_failed(e, process_group, model_parallel_group, no_dist, timeout=arrival_timeout)
         raise
@@ -330,9 +337,11 @@ def _prepare_into(module, process_group, model_parallel_group, strategy, device,
                     trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress,
                     arrival_timeout=arrival_timeout)
     dp, mp = _groups(process_group, model_parallel_group, no_dist)
+    begin((dp, mp))  # before the optimizer's folder is read: this call's check-ins count from here
     return entries, process_group, device, opts, dp, mp
 
 
+@load_call()
 def load_into(
     module: torch.nn.Module,
     path: "str | os.PathLike",

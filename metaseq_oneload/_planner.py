@@ -351,9 +351,12 @@ def exchange_choice(strategy: str, asked: str, reason: str, ranges: Sequence[Map
 # --------------------------------------------------------------------------- broadcast schedule
 
 
-def schedule(targets: Mapping[str, TargetTensor], bucket_bytes: int, direct: bool) -> Tuple[Bucket, ...]:
+def schedule(targets: Mapping[str, TargetTensor], bucket_bytes: int, direct: bool,
+             chunk_bytes: Optional[int] = None) -> Tuple[Bucket, ...]:
     """Buckets of entries, in the one order every rank walks. With ``direct``, a tensor of
-    at least a quarter bucket goes in chunks straight into the receivers' outputs."""
+    at least a quarter bucket goes in chunks of ``chunk_bytes`` (default: a bucket) straight
+    into the receivers' outputs: those stage nothing, so a smaller staging bucket need not
+    multiply their broadcasts."""
     buckets, current, used = [], [], 0
     for t in targets.values():
         if t.alias_of is not None:
@@ -361,8 +364,9 @@ def schedule(targets: Mapping[str, TargetTensor], bucket_bytes: int, direct: boo
         size_of = itemsize(t.dtype)
         per = max(1, bucket_bytes // size_of)
         if direct and t.nbytes >= bucket_bytes // 4:
-            for lo in range(0, t.numel, per):
-                buckets.append(Bucket(True, (Entry(t.name, lo, min(per, t.numel - lo), 0),)))
+            step = max(1, (chunk_bytes or bucket_bytes) // size_of)
+            for lo in range(0, t.numel, step):
+                buckets.append(Bucket(True, (Entry(t.name, lo, min(step, t.numel - lo), 0),)))
             continue
         for lo in range(0, t.numel, per):
             n = min(per, t.numel - lo)
@@ -507,7 +511,10 @@ def _broadcast_part(targets, ranges, direct, order, topo: Topology, opts: Option
     dp_size = len(ranges)
     whole = all(_whole(rr, order, targets) for rr in ranges)
     straight = whole and all(all(f) for f in direct)
-    buckets = schedule(targets, opts.bucket_bytes, straight)
+    # Where every rank takes every bucket, each holds one: a W-th of ``bucket_mb`` apiece
+    # keeps the group's staging at one bucket in all.
+    share = max(ALIGN, opts.bucket_bytes // dp_size // ALIGN * ALIGN) if whole else opts.bucket_bytes
+    buckets = schedule(targets, share, straight, opts.bucket_bytes)
     counter = _Counter(opts.chunk_bytes)
     received = [0] * dp_size
     transfers = []
@@ -534,7 +541,8 @@ def _broadcast_part(targets, ranges, direct, order, topo: Topology, opts: Option
     for d, rr in enumerate(ranges):
         holds = bucket if d == 0 or (whole and bucket) else 0
         ranks.append(_rank(topo, m, d, counter if d == 0 else None, _out_bytes(rr), received[d],
-                           sum(received) if d == 0 else 0, 0, holds, "output + one bucket"))
+                           sum(received) if d == 0 else 0, 0, holds,
+                           "output + bucket / W" if whole else "output + one bucket"))
     read = ranks[0].bytes_read
     return PartPlan(m, "broadcast", reason, "broadcast" if whole else "scatter", tuple(ranks), tuple(transfers),
                     schedule=buckets, storage_bytes=read)
@@ -572,14 +580,15 @@ def _exchange_part(targets, ranges, direct, topo: Topology, opts: Options, m: in
                 sent[msg.src] += nbytes
                 others[msg.dst] += 0 if local else nbytes
         extra = [max(a, b) for a, b in zip(extra, staged)]
-    # Every rank of a node maps the node's shared segments (two slots each) and may touch all.
+    # A rank holds its own shared segment (two slots); its neighbours let go of each piece
+    # they copied out of it (``_exchange._Segments``), so its pages count once, in the writer.
     slot = shared_slots(plan, dp_size)[1] if topo.shm else [0] * dp_size
     ranks = []
     for d in range(dp_size):
-        shared = 2 * sum(slot[r] for r in range(dp_size) if node_of[r] == node_of[d])
+        shared = 2 * slot[d]
         held = max(extra[d], _staging(targets, ranges[d], opts.chunk_bytes)) + shared
         ranks.append(_rank(topo, m, d, counters[d], _out_bytes(ranges[d]), received[d], sent[d], others[d], held,
-                           "output + one bucket of staging + the node's shared-memory slots"))
+                           "output + one bucket of staging + its shared-memory slots"))
     return PartPlan(m, strategy, reason, "exchange", tuple(ranks), tuple(transfers), exchange=plan,
                     storage_bytes=sum(plan.storage_bytes) if plan.storage_bytes else sum(plan.read_bytes))
 

@@ -29,6 +29,7 @@ import bisect
 import contextlib
 import copy
 import ctypes
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -146,12 +147,16 @@ class Extent:
 
 
 _PAGE = 4096
+_DIO = 512  # O_DIRECT's alignment of memory, offsets and lengths on Linux block devices
 
 
 def _inside(spans: tuple, offset: int, n: int) -> bool:
     """Whether bytes ``offset .. offset+n`` lie inside one of the sorted (starts, ends)."""
     i = bisect.bisect_right(spans[0], offset) - 1
     return i >= 0 and offset + n <= spans[1][i]
+
+
+DEFAULT_READ_THREADS = 8  # $METASEQ_ONELOAD_READ_THREADS unset
 _MIN_PIECE = 1 << 20  # below this a read is not worth a thread hand-off
 
 
@@ -167,12 +172,14 @@ class RangeReader:
     ``os.preadv`` lets go of the GIL, so one process keeps several requests in flight
     (what NVMe and network filesystems need to reach their bandwidth) and fills fresh
     pages of the destination on several cores. ``direct=True`` reads with ``O_DIRECT``
-    through a page-aligned bounce buffer per thread (cold reads then skip the page cache;
-    files where the filesystem refuses it are read the ordinary way). What is not passed
-    comes from ``settings`` (a verb's, read once), else from the environment
-    (:func:`._settings.from_env`: ``$METASEQ_ONELOAD_READ_THREADS`` (8),
-    ``$METASEQ_ONELOAD_READ_SPLIT_MB`` (16), ``$METASEQ_ONELOAD_O_DIRECT`` (off));
-    ``read_threads=1`` is the serial reader.
+    straight into the destination (a piece's aligned middle; the bytes around it the
+    ordinary way), through a page-aligned bounce buffer per thread for pieces under 1 MiB
+    (cold reads then skip the page cache; files where the filesystem refuses it are read
+    the ordinary way).
+    What is not passed comes from ``settings`` (a verb's, read once),
+    else from the environment (:func:`._settings.from_env`:
+    ``$METASEQ_ONELOAD_READ_THREADS`` (8), ``$METASEQ_ONELOAD_READ_SPLIT_MB`` (16),
+    ``$METASEQ_ONELOAD_O_DIRECT`` (off)); ``read_threads=1`` is the serial reader.
     """
 
     def __init__(self, *, chunk_bytes: int = 64 << 20, trust_pickle: bool = False,
@@ -184,7 +191,7 @@ class RangeReader:
         if settings is None and None in (read_threads, split_bytes, direct):
             settings = from_env(only=LOAD)
         if read_threads is None:
-            read_threads = settings.read_threads
+            read_threads = settings.read_threads or DEFAULT_READ_THREADS
         if split_bytes is None:
             split_bytes = int(settings.read_split_mb * (1 << 20))
         if int(read_threads) < 1 or int(split_bytes) < 1:
@@ -202,6 +209,7 @@ class RangeReader:
         self._pool = None
         self._pool_pid = None
         self._bounce = threading.local()
+        self._in_place = True  # O_DIRECT into the destination at 512-byte alignment (_read_in_place)
         self.readahead = True
 
     def set_readahead(self, on: bool) -> None:
@@ -303,21 +311,44 @@ class RangeReader:
             dfd = self._direct_fd(path)
             if dfd is not None:
                 try:
-                    return self._read_direct(dfd, offset, view)
+                    got = None
+                    if self._in_place:
+                        try:
+                            got = self._read_in_place(path, dfd, offset, view)
+                        except OSError as e:
+                            if e.errno != errno.EINVAL:
+                                raise
+                            self._in_place = False  # the device wants more than 512-byte alignment
+                    return self._read_direct(dfd, offset, view) if got is None else got
                 except OSError as e:
-                    import errno
-
                     if e.errno != errno.EINVAL:  # alignment the device wants is not ours
                         raise
                     self._give_up_direct(path, dfd)
+        return _pread_full(self._fd(path), offset, view)
+
+    def _read_in_place(self, path: str, dfd: int, offset: int, view: memoryview) -> Optional[int]:
+        """O_DIRECT into ``view`` itself, no bounce buffer: the aligned middle of the range
+        lands at the first aligned address inside ``view`` and, where that is not where it
+        belongs (the address and the file offset disagree modulo the alignment), moves down
+        by under 512 bytes in place; the few bytes before and after it are read the ordinary
+        way. None where the range is too short to be worth it."""
+        n, p = len(view), _address(view)
+        head = -offset % _DIO  # file bytes before the first aligned offset
+        shift = -(p + head) % _DIO  # where they land past where they belong
+        body = (n - head - shift) // _DIO * _DIO
+        if body < _MIN_PIECE:
+            return None
         fd = self._fd(path)
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                break
-            done += n
-        return done
+        done = _pread_full(fd, offset, view[:head]) if head else 0
+        if done < head:
+            return done
+        got = _pread_direct(dfd, offset + head, view[head + shift: head + shift + body])
+        if shift and got:
+            ctypes.memmove(p + head, p + head + shift, got)
+        done += got
+        if got < body:  # the file ends inside the middle
+            return done
+        return done + _pread_full(fd, offset + done, view[done:])
 
     def _read_direct(self, fd: int, offset: int, view: memoryview) -> int:
         """O_DIRECT wants page-aligned memory, file offsets and lengths: read the pages that
@@ -386,7 +417,8 @@ class RangeReader:
                     f"{path}: asked to read bytes {offset}..{offset + len(view)}, which do not lie inside one "
                     "tensor record of the file (its header and the layout disagree, or the file changed since "
                     "it was inspected). Nothing was loaded from it; inspect the checkpoint again.")
-        pieces = self._pieces(offset, len(view))
+        # (an object's read is cut into part_bytes requests, fetched concurrently, by read_into)
+        pieces = [(0, len(view))] if _storage.is_url(path) else self._pieces(offset, len(view))
         # ``sink(at, bytes)`` sees each piece on the thread that read it, as it lands (the
         # digest check hashes there, while the other pieces are still being read).
         read = self._read_piece
@@ -498,6 +530,36 @@ class RangeReader:
         """The same elements through ``torch.load(mmap=True)``: an independent path used by
         ``verify=True`` to check the byte arithmetic of :meth:`read_extent`."""
         return self._object_tensor(ext)[start: start + n]
+
+
+def _pread_full(fd: int, offset: int, view: memoryview) -> int:
+    """``preadv`` until ``view`` is full or the file ends: the bytes read."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def _pread_direct(fd: int, offset: int, view: memoryview) -> int:
+    """:func:`_pread_full` on an O_DIRECT descriptor (``offset`` and ``view`` aligned): a
+    count off the alignment is the end of the file (a retry from there would be refused)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+        if n % _DIO:
+            break
+    return done
+
+
+def _address(view: memoryview) -> int:
+    """Where a writable memoryview's first byte lies in memory."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _sunk(sink, at: int, view: memoryview, got: int) -> int:

@@ -4,8 +4,9 @@
 already fetched) and answers the engine's os-like calls; this module only asks the store:
 
 * at most ``concurrency`` requests in flight per process (a semaphore over every thread
-  that reads, headers and data alike), so in-flight memory is at most
-  ``concurrency * part_bytes`` beyond the destination;
+  that reads, headers and data alike); a data read's answer is written into its destination
+  as it arrives (:func:`fetch_into`), so in-flight memory beyond the destination is about
+  ``concurrency`` pieces of at most 1 MiB, not whole parts;
 * each request retried with exponential backoff and jitter on transient errors (5xx,
   throttling, connection resets, timeouts), never on a missing object or a refused
   credential, which are answered at once;
@@ -41,7 +42,7 @@ from ._errors import MissingRemoteExtraError, OneloadError, RemoteObjectChangedE
 from ._settings import REMOTE, Settings, from_env, variable
 
 __all__ = ["RemoteSettings", "settings", "stats", "reset_stats", "Stat", "stat_of", "etag_protocol", "filesystem",
-           "url_of", "invalidate_listings", "request", "changed", "fetch_range", "pool"]
+           "url_of", "invalidate_listings", "request", "changed", "fetch_range", "fetch_into", "pool"]
 
 # Errors no retry can cure: a missing object, a refused credential, a bad argument.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
@@ -236,20 +237,33 @@ def changed(url: str, old: Stat, now: str) -> RemoteObjectChangedError:
 def fetch_range(url: str, offset: int, n: int, st: Stat) -> bytes:
     """(local) Bytes ``offset .. offset+n`` (``n`` > 0, inside the object) of version ``st``,
     in one request whose answer is checked (see the module docstring)."""
+    buf = bytearray(n)
+    fetch_into(url, offset, memoryview(buf), st)
+    return bytes(buf)
+
+
+def fetch_into(url: str, offset: int, view: memoryview, st: Stat) -> None:
+    """(local) Write bytes ``offset .. offset+len(view)`` (inside the object) of version
+    ``st`` into ``view``, in one request whose answer is checked (see the module docstring).
+    An S3 answer's body is written into ``view`` as it arrives, a bounded piece at a time
+    (no copy of the whole answer in memory); only an answer whose status, Content-Range and
+    length are the ones asked for is written at all, and one that then turns out short or
+    long raises (its bytes in ``view`` are not to be used: a retry overwrites them)."""
+    n = len(view)
     fs, path = filesystem(url)
     what = f"reading bytes {offset}..{offset + n}"
     if etag_protocol(url) and hasattr(fs, "_call_s3"):
         from fsspec.asyn import sync
 
-        data = request(url, what, sync, fs.loop, _s3_ranged, fs, url, path, offset, n, st)
+        request(url, what, sync, fs.loop, _s3_ranged, fs, url, path, offset, view, st)
     else:
         # fsspec's other protocols show the bytes only, not the answer's status or range:
         # their length is what can be checked
         data = request(url, what, fs.cat_file, path, start=offset, end=offset + n)
         if len(data) != n:
             raise _wrong(url, offset, n, f"sent {len(data)} bytes; asked for {n}")
-    _STATS.add(bytes=len(data))
-    return data
+        view[:] = data
+    _STATS.add(bytes=n)
 
 
 def _wrong(url: str, offset: int, n: int, what: str) -> RemoteStoreError:
@@ -271,10 +285,15 @@ def _client_error(e: BaseException):
     return None
 
 
-async def _s3_ranged(fs, url: str, path: str, offset: int, n: int, st: Stat) -> bytes:
-    """One GetObject of bytes ``offset .. offset+n`` of version ``st``: nothing of the body
-    is used (nor, past the checks of the headers, read) unless the answer is the range asked
-    for, of that version, of exactly ``n`` bytes."""
+# The most of an answer's body read at once (what is in memory beyond the destination)
+_BODY_PIECE = 1 << 20
+
+
+async def _s3_ranged(fs, url: str, path: str, offset: int, view: memoryview, st: Stat) -> None:
+    """One GetObject of bytes ``offset .. offset+len(view)`` of version ``st``, written into
+    ``view``: nothing of the body is read (past the checks of the headers) unless the answer
+    is the range asked for, of that version; one of other than exactly that many bytes raises."""
+    n = len(view)
     bucket, key, vers = fs.split_path(path)
     kw = {"Range": f"bytes={offset}-{offset + n - 1}"}
     if st.etag:
@@ -329,15 +348,18 @@ async def _s3_ranged(fs, url: str, path: str, offset: int, n: int, st: Stat) -> 
                 raise changed(url, st, f"the store answers for an object of {m.group(3)} bytes")
         if length is not None and int(length) != n:
             raise _wrong(url, offset, n, f"announced {length} bytes for that range; asked for {n}")
-        data = bytearray()
-        while len(data) <= n:  # one more than asked: a body longer than it said is refused too
-            chunk = await body.read(n + 1 - len(data))
+        got = 0
+        while got <= n:  # one more than asked: a body longer than it said is refused too
+            chunk = await body.read(min(_BODY_PIECE, n + 1 - got))
             if not chunk:
                 break
-            data += chunk
-        if len(data) != n:
-            raise _wrong(url, offset, n, f"sent {len(data)}{'+' if len(data) > n else ''} bytes; asked for {n}")
-        return bytes(data)
+            if got + len(chunk) > n:
+                got += len(chunk)
+                break
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+        if got != n:
+            raise _wrong(url, offset, n, f"sent {got}{'+' if got > n else ''} bytes; asked for {n}")
     finally:
         body.close()
 

@@ -18,7 +18,8 @@ variable                                default    what it sets
                                                    network, not a shared-memory segment
 ``METASEQ_ONELOAD_SHM_DIR``             /dev/shm   where a node's shared-memory segments live
 ``METASEQ_ONELOAD_O_DIRECT``            0          1: local reads bypass the page cache
-``METASEQ_ONELOAD_READ_THREADS``        8          threads reading one file's ranges
+``METASEQ_ONELOAD_READ_THREADS``        (derived)  threads reading one file's ranges: 8, or 1
+                                                   for a load's rank reading under 32 MiB
 ``METASEQ_ONELOAD_READ_SPLIT_MB``       16         a read larger than this is split over them
 ``METASEQ_ONELOAD_REMOTE_CONCURRENCY``  16         object store requests in flight per process
 ``METASEQ_ONELOAD_REMOTE_RETRIES``      5          retries per request after the first try
@@ -65,7 +66,9 @@ class Settings:
     shm: bool = True
     shm_dir: str = "/dev/shm"
     o_direct: bool = False
-    read_threads: int = 8
+    # None: 8 threads, and the serial reader for a load's rank that reads little (_engine);
+    # a value set in the environment is taken as it is.
+    read_threads: Optional[int] = None
     read_split_mb: float = 16.0
     remote_concurrency: int = 16
     remote_retries: int = 5

@@ -9,8 +9,11 @@ knows of each object:
 
 * ranged reads only: a header read takes the archive's tail, its central directory, one
   local header per record and the ``data.pkl`` record, never a tensor's bytes; a data read
-  takes exactly the bytes a rank needs, in parts of at most ``part_bytes``, written into
-  the destination's memory as each part arrives (:func:`read_into`);
+  takes exactly the bytes a rank needs, one request per read up to ``part_bytes`` (a
+  longer read in parts of that size, fetched concurrently), each answer written into the
+  destination's memory as it arrives (:func:`read_into`); reads a fill announces
+  (:func:`expecting`) that lie close together in one object share requests: one ranged
+  read per merged span (of at most ``span_bytes``), in parts of ``part_bytes``;
 * header bytes already fetched are shared between our zip parser and torch's reader of the
   same archive (:class:`RemoteFile`), and small reads that follow each other share requests;
 * each object pinned from the first time it is seen (its size and ETag, and its VersionId
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+import concurrent.futures
+import contextlib
 import glob as _glob
 import io
 import os
@@ -37,10 +42,10 @@ import time
 from typing import Any, Optional
 
 from ._errors import RemoteObjectChangedError
-from ._remote import (RemoteSettings, Stat, changed, etag_protocol, fetch_range, filesystem, invalidate_listings,
-                      pool, request, reset_stats, settings, stat_of, stats, url_of)
+from ._remote import (RemoteSettings, Stat, changed, etag_protocol, fetch_into, fetch_range, filesystem,
+                      invalidate_listings, pool, request, reset_stats, settings, stat_of, stats, url_of)
 
-__all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget"]
+__all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget", "expecting"]
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -54,6 +59,7 @@ def forget() -> None:
     """Drop cached stats, pins, header bytes and read-ahead windows: the next read asks the store."""
     _CACHE.clear()
     _READ_AHEAD.clear()
+    _SPANS.clear()
     with _STAT_LOCK:
         _STAT_CACHE.clear()
         _PINS.clear()
@@ -114,6 +120,7 @@ def _forget_object(url: str, old: Stat) -> None:
             del _PINS[url]
     _CACHE.drop(url)
     _READ_AHEAD.drop(url)
+    _SPANS.drop(url)
 
 
 def _stat_url(url: str) -> Stat:
@@ -292,6 +299,22 @@ def read_range(url: str, offset: int, n: int, st: Optional[Stat] = None) -> byte
         raise
 
 
+def _read_range_into(url: str, offset: int, view: memoryview) -> int:
+    """(local) :func:`read_range` written straight into ``view`` (the answer's body lands in
+    place, a bounded piece at a time); returns the bytes written, fewer only where the
+    object ends first."""
+    st = _pinned(url)
+    n = max(0, min(len(view), st.size - offset))
+    if n <= 0:
+        return 0
+    try:
+        fetch_into(url, offset, view[:n], st)
+    except RemoteObjectChangedError:
+        _forget_object(url, st)
+        raise
+    return n
+
+
 class _ReadAhead:
     """Small reads of one object that follow each other (a flat parameter's members, the
     biases and norms between a model's large weights) share requests: a read that starts
@@ -370,13 +393,167 @@ class _ReadAhead:
 _READ_AHEAD = _ReadAhead()
 
 
+class _Span:
+    """Bytes ``start .. end`` of one object, which several announced reads lie in."""
+
+    def __init__(self, url: str, start: int, end: int, want: int):
+        self.url, self.start, self.end = url, start, end
+        self.left = want  # announced bytes not read yet: the buffer goes when none are left
+        self.buf: Optional[bytearray] = None
+        self.dead = False  # its buffer was let go early: the reads left in it go alone
+        self.lock = threading.Lock()
+
+
+class _Spans:
+    """Reads of one object that a fill announces (:func:`expecting`) and that lie close
+    together (gaps of at most ``GAP``, and at most 1/8 of the bytes wanted) are served from
+    one ranged read per merged span of at most ``span_bytes`` (cut into ``part_bytes``
+    parts fetched concurrently, each part's answer checked as every read's is), fetched when
+    the first of them is read, kept until the last has been copied out. The gap bytes are
+    fetched (and counted as fetched) and dropped. Memory beyond the destinations, for a fill
+    on one thread (as :func:`._execute.fill_all` fills an object's wants): at most ``HELD``
+    span buffers at once, the one being fetched included, so ``HELD * max(span_bytes,
+    part_bytes)`` (64 MiB with the defaults) plus the pieces of answers in flight; a span
+    whose buffer had to go before its last read (reads hopping between more than ``HELD``
+    spans) serves the rest of its reads alone, each its own request."""
+
+    GAP = 1 << 20
+    HELD = 2
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_url: dict = {}  # url -> ([starts], [spans]), sorted by start
+        self._held: "collections.OrderedDict[int, _Span]" = collections.OrderedDict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_url.clear()
+            self._held.clear()
+
+    def drop(self, url: str) -> None:
+        with self._lock:
+            for sp in self._by_url.pop(url, ([], []))[1]:
+                sp.dead, sp.buf = True, None
+                self._held.pop(id(sp), None)
+
+    def add(self, ranges, span_bytes: int) -> list:
+        """Merge ``ranges`` ((url, offset, nbytes)) into spans and keep those that more than
+        one read shares; returns them (what :meth:`remove` takes)."""
+        by_url: dict = {}
+        for url, offset, n in ranges:
+            if n > 0 and is_url(url) and n < span_bytes:
+                by_url.setdefault(url, []).append((int(offset), int(n)))
+        made = []
+        for url, reads in by_url.items():
+            reads.sort()
+            cur = None  # [start, end, bytes wanted, reads]
+            for a, n in reads + [(None, 0)]:
+                if cur is not None and a is not None:
+                    gap = a - cur[1]
+                    if gap <= min(self.GAP, (cur[2] + n) // 8) and max(cur[1], a + n) - cur[0] <= span_bytes:
+                        cur[1], cur[2], cur[3] = max(cur[1], a + n), cur[2] + n, cur[3] + 1
+                        continue
+                if cur is not None and cur[3] > 1:
+                    made.append(_Span(url, cur[0], cur[1], cur[2]))
+                cur = None if a is None else [a, a + n, n, 1]
+        with self._lock:
+            for sp in made:
+                starts, spans = self._by_url.setdefault(sp.url, ([], []))
+                k = bisect.bisect_right(starts, sp.start)
+                starts.insert(k, sp.start)
+                spans.insert(k, sp)
+        return made
+
+    def remove(self, made: list) -> None:
+        with self._lock:
+            for sp in made:
+                sp.dead, sp.buf = True, None
+                self._held.pop(id(sp), None)
+                starts, spans = self._by_url.get(sp.url, ([], []))
+                for k in range(len(spans)):
+                    if spans[k] is sp:
+                        del starts[k], spans[k]
+                        break
+                if not spans:
+                    self._by_url.pop(sp.url, None)
+
+    def _find(self, url: str, offset: int, n: int) -> Optional[_Span]:
+        with self._lock:
+            starts, spans = self._by_url.get(url, ((), ()))
+            k = bisect.bisect_right(starts, offset) - 1
+            while k >= 0:  # spans of one announcement never overlap; of two, they may
+                sp = spans[k]
+                if offset + n <= sp.end and not sp.dead:
+                    return sp
+                k -= 1
+            return None
+
+    def read(self, url: str, offset: int, view: memoryview) -> Optional[int]:
+        """Bytes written into ``view`` from a span that holds them all, or None where no
+        live span does (the caller reads them alone)."""
+        n = len(view)
+        sp = self._find(url, offset, n) if self._by_url else None
+        if sp is None:
+            return None
+        with sp.lock:
+            if sp.dead:
+                return None
+            buf = sp.buf
+            if buf is None:
+                st = _pinned(url)
+                with self._lock:  # room first: at most HELD buffers, this one's included
+                    while len(self._held) >= self.HELD:
+                        _, old = self._held.popitem(last=False)
+                        old.dead, old.buf = True, None
+                buf = bytearray(max(0, min(sp.end, st.size) - sp.start))
+                got = _read_parts(url, sp.start, memoryview(buf))
+                del buf[got:]  # (where the object ends first: the reads past it come back short)
+                with self._lock:
+                    if sp.dead:  # (dropped meanwhile: the object changed, or the fill ended)
+                        return None
+                    sp.buf = buf
+                    self._held[id(sp)] = sp
+            at = offset - sp.start
+            got = max(0, min(n, len(buf) - at))
+            view[:got] = memoryview(buf)[at: at + got]
+            sp.left -= n
+            if sp.left <= 0:
+                with self._lock:
+                    sp.dead, sp.buf = True, None
+                    self._held.pop(id(sp), None)
+            return got
+
+
+_SPANS = _Spans()
+
+
+@contextlib.contextmanager
+def expecting(ranges):
+    """(local) While the block runs, reads of objects among ``ranges`` ((url, byte offset,
+    nbytes); local paths are ignored) that lie close together share requests (see
+    :class:`_Spans`): a fill announces what it is about to read. Nothing is fetched
+    until a read asks; what was not read by the end is let go."""
+    made = _SPANS.add(ranges, max(settings().part_bytes, _SPAN_BYTES))
+    try:
+        yield
+    finally:
+        _SPANS.remove(made)
+
+
+_SPAN_BYTES = 32 << 20  # the longest merged read (at least one part)
+
+
 def read_into(url: str, offset: int, view: memoryview) -> int:
     """(local) Fill ``view`` with the object's bytes from ``offset``: parts of at most
     ``part_bytes`` fetched concurrently (within the process-wide bound), each written into
-    its place as it arrives; small reads that follow each other share requests
-    (:class:`_ReadAhead`). Returns the bytes written (fewer only where the object ends)."""
-    s = settings()
+    its place as it arrives; reads announced together share requests (:class:`_Spans`),
+    and so do small reads that follow each other (:class:`_ReadAhead`). Returns the bytes
+    written (fewer only where the object ends)."""
     n = len(view)
+    if n:
+        got = _SPANS.read(url, offset, view)
+        if got is not None:
+            return got
     if 0 < n <= _ReadAhead.SMALL:
         return _READ_AHEAD.read(url, offset, view)
     pre, size = _READ_AHEAD.take_prefix(url, offset, view) if n else (0, -1)
@@ -385,18 +562,34 @@ def read_into(url: str, offset: int, view: memoryview) -> int:
         # range starting at the end is an error to the store, not a short read)
         rest = min(n, max(pre, size - offset))
         return pre + (read_into(url, offset + pre, view[pre:rest]) if pre < rest else 0)
+    return _read_parts(url, offset, view)
+
+
+def _read_parts(url: str, offset: int, view: memoryview) -> int:
+    """``view`` from ``offset``, in parts of at most ``part_bytes`` fetched concurrently."""
+    s = settings()
+    n = len(view)
     parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
 
     def one(a: int, b: int) -> int:
-        data = read_range(url, offset + a, b - a)
-        view[a:a + len(data)] = data
-        return len(data)
+        return _read_range_into(url, offset + a, view[a:b])
 
-    if len(parts) == 1:
-        got = [one(*parts[0])]
+    if len(parts) <= 1:
+        got = [one(*parts[0])] if parts else []
     else:
         # The caller never runs on a pool thread, so waiting here cannot starve the pool.
-        got = list(pool(s.concurrency).map(lambda ab: one(*ab), parts))
+        futures = [pool(s.concurrency).submit(one, a, b) for a, b in parts]
+        first = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in first.done):
+            for f in futures:
+                f.cancel()
+        # Every part that started writes into ``view`` (the caller's tensor): none may
+        # outlive this call, whose error the caller may catch and then free the tensor.
+        concurrent.futures.wait(futures)
+        for f in futures:
+            if not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+        got = [f.result() for f in futures]
     done = 0
     for (a, b), g in zip(parts, got):
         if g < b - a:
@@ -511,10 +704,16 @@ class RemoteFile(io.RawIOBase):
         hit = _CACHE.get(self._key, offset, n)
         if hit is not None:
             return hit
-        want = n if n >= _MIN_FETCH else min(self.size - offset, _MIN_FETCH)
-        data = read_range(self.url, offset, want, self._st)
-        _CACHE.put(self._key, offset, data)
-        return data[:n]
+        if n >= _MIN_FETCH:
+            start, want = offset, n
+        else:
+            # near the end (a zip's end record), the last _MIN_FETCH bytes: the records read
+            # next (its central directory, the ZIP64 locator) lie before it, not after
+            start = max(0, min(offset, self.size - _MIN_FETCH))
+            want = max(offset + n - start, min(self.size - start, _MIN_FETCH))
+        data = read_range(self.url, start, want, self._st)
+        _CACHE.put(self._key, start, data)
+        return data[offset - start: offset - start + n]
 
     def prefetch(self, ranges) -> None:
         """Fetch many small ranges at once (concurrently), into the cache."""

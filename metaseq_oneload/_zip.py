@@ -135,8 +135,14 @@ def _pread_exact(fd: int, offset: int, n: int, path: str, what: str) -> bytes:
 def _central_directory(fd: int, size: int, path: str) -> tuple:
     """(entries, start of the central directory): each entry (name, flags, method,
     compressed size, size, local header offset), ZIP64 fields resolved."""
-    tail_len = min(size, _EOCD.size + _U16)
+    # An archive without a comment (torch.save's) ends with its end record: the search below
+    # would pick that one out of the longer tail too, so those 22 bytes are all it takes (an
+    # object store then serves no 64 KiB of tensor bytes per archive).
+    tail_len = min(size, _EOCD.size)
     tail = _pread_exact(fd, size - tail_len, tail_len, path, "the end of the archive")
+    if tail_len < _EOCD.size or tail[:4] != b"PK\x05\x06" or _EOCD.unpack_from(tail, 0)[-1] != 0:
+        tail_len = min(size, _EOCD.size + _U16)
+        tail = _pread_exact(fd, size - tail_len, tail_len, path, "the end of the archive")
     pos = tail.rfind(b"PK\x05\x06")
     while pos >= 0 and (len(tail) - pos < _EOCD.size
                         or pos + _EOCD.size + _EOCD.unpack_from(tail, pos)[-1] != len(tail)):

@@ -328,8 +328,14 @@ def _dcp_layout(folder: str, meta: DcpMetadata, trust_pickle: bool, shadows: "Op
             raise CheckpointLayoutError(f"{meta.path}: the optimizer state tensor {name} has the name of one of the "
                                         "model's tensors; load the model and the optimizer with torch's own loader.")
         tensors[name] = _stored(meta, name, meta.tensors[name], folder, files)
-    return _layout(folder, tensors, [p for _, p in sorted(files.items())], "distcp",
-                   _notes(meta, container, left, files), trust_pickle)
+    layout = _layout(folder, tensors, [p for _, p in sorted(files.items())], "distcp",
+                     _notes(meta, container, left, files), trust_pickle)
+    if not _storage.is_url(folder):
+        # Every chunk of the layout was just checked item by item (_stored): this process's
+        # reads take those spans, as a rank that adopts the layout does, instead of parsing
+        # every item of the file again when the first read of it is checked.
+        vouch_layout(layout)
+    return layout
 
 
 _BATCH = 64  # items fetched together, then parsed (a batch's bytes stay a few MB in the cache)

@@ -21,12 +21,13 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import torch
 
 from .. import _reading, _storage
+from .._begun import begin, forget_begun
 from .._dist import Group, tell_failed
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError
 from .._optim import rest_source
 from ..formats import discover
 
-__all__ = ["OPT_KEY", "locate", "exists", "remote", "before_load", "real_group", "rank_in", "fsdp_root",
+__all__ = ["OPT_KEY", "locate", "exists", "remote", "before_load", "answered_alone", "real_group", "rank_in", "fsdp_root",
            "fsdp_load_local", "rest_file", "read_rest", "owning", "named_part", "part_layout", "fuse_split_qkv"]
 
 OPT_KEY = "last_optimizer_state"
@@ -85,18 +86,37 @@ def before_load(process_group: Any = None, model_parallel_group: Any = None, unl
     for their arguments, :func:`metaseq_oneload._dist.tell_failed`), so they stop with its
     reason instead of waiting ``arrival_timeout`` for a rank that is not coming. Errors of
     the types in ``unless`` (those the caller answers without loading, on every rank alike:
-    no checkpoint yet) pass without telling. None for a group: not part of the load."""
+    no checkpoint yet) pass without telling. None for a group: not part of the load.
+
+    The load's call begins here (:func:`metaseq_oneload._begun.begin`): a check-in the others
+    give up on while this rank discovers is this load's, so a failure here, or the rank's
+    arrival, after that is told to it at once, never left for the others' next load."""
+    groups = _load_groups(process_group, model_parallel_group)
+    begin(groups)
     try:
         yield
     except BaseException as e:
-        if not isinstance(e, unless):
-            groups = []
-            for g, role in ((process_group, "data-parallel"), (model_parallel_group, "model-parallel")):
-                if g is not None:
-                    with contextlib.suppress(Exception):
-                        groups.append(Group(g, role))
+        if isinstance(e, unless):
+            forget_begun(groups)  # answered without loading: no check-in follows
+        else:
             tell_failed(groups, e)
         raise
+
+
+def answered_alone(process_group: Any = None, model_parallel_group: Any = None) -> None:
+    """(this rank alone) The call :func:`before_load` began is answered on this rank without
+    a collective load (the file as saved, read by this rank): no check-in follows, so the
+    rank's next call must not be taken for this one."""
+    forget_begun(_load_groups(process_group, model_parallel_group))
+
+
+def _load_groups(process_group: Any, model_parallel_group: Any) -> list:
+    groups = []
+    for g, role in ((process_group, "data-parallel"), (model_parallel_group, "model-parallel")):
+        if g is not None:
+            with contextlib.suppress(Exception):
+                groups.append(Group(g, role))
+    return groups
 
 
 def real_group(group: Any) -> Any:

@@ -26,6 +26,7 @@ import threading
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from .. import _reading
+from .._begun import load_call
 from .._errors import CheckpointLayoutError, CheckpointNotFoundError
 from .._hydra import ENV, checkpoint_path, fill_settings, split_argv
 from .._loading import load_checkpoint as engine_load_checkpoint
@@ -218,6 +219,7 @@ def locate_model(filename: Any, suffix: str, num_shards: int):
 # --------------------------------------------------------------------------- the patched functions
 
 
+@load_call()  # a discovery's note of where the call began ends with the call
 def load_checkpoint_to_cpu(fw: Framework, path, arg_overrides=None, load_on_all_ranks=False):
     """(the ranks that load; collective over the groups the load uses) The library's
     ``load_checkpoint_to_cpu`` through the engine: inside its trainer's ``load_checkpoint``
@@ -231,6 +233,7 @@ def load_checkpoint_to_cpu(fw: Framework, path, arg_overrides=None, load_on_all_
     return fw.read_file(path, arg_overrides)
 
 
+@load_call()
 def trainer_load_checkpoint(fw: Framework, trainer, filename, reset_optimizer=False, reset_lr_scheduler=False,
                             optimizer_overrides=None, reset_meters=False):
     """(all ranks of the trainer; collective, as the library's) ``Trainer.load_checkpoint``
@@ -290,6 +293,7 @@ def _refuse_unless_full_fsdp_optimizer(layout) -> None:
         "(the weights load either way).")
 
 
+@load_call()
 def load_checkpoint(fw: Framework, cfg, trainer, **passthrough_args):
     """(all ranks; collective, as the library's) ``checkpoint_utils.load_checkpoint`` with
     ``--finetune-from-model`` naming a set by any of its files, its folder or its

@@ -47,8 +47,8 @@ from .. import _reading, _storage
 from .._errors import CheckpointLayoutError
 from .._hydra import CheckpointSettingsError, register_configs
 from ._broadcast import broadcast_object, same_everywhere
-from ._checkpoint import (before_load, exists, fsdp_load_local, fsdp_root, fuse_split_qkv, locate, named_part,
-                          part_layout, rank_in, read_rest, real_group, remote, rest_file)
+from ._checkpoint import (answered_alone, before_load, exists, fsdp_load_local, fsdp_root, fuse_split_qkv, locate,
+                          named_part, part_layout, rank_in, read_rest, real_group, remote, rest_file)
 from ._core import (Framework, engine_load, engine_state, fill_from_checkpoint, load_checkpoint,
                     load_checkpoint_to_cpu, locate_model, parse_args_and_arch, qkv_of, read_as_saved,
                     trainer_load_checkpoint)
@@ -176,6 +176,7 @@ def _read_file(path, arg_overrides) -> dict:
     part = named_part(path, layout)
     if part is not None and (mp is None or rank_in(mp)[1] == layout.model_parallel_size):
         if not layout.flat or layout.shards_per_part == rank_in(dp)[1]:
+            answered_alone(dp, mp)
             return _as_saved(path, layout, arg_overrides)
         layout, mp = part_layout(layout, part), None
     return engine_state(METASEQ, layout, None, dp, mp, arg_overrides)

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+import metaseq_oneload._begun as b
 import metaseq_oneload._dist as d
 from metaseq_oneload._errors import DistributedLoadError, OptionError
 
@@ -198,3 +199,138 @@ def test_a_call_made_alone_is_withdrawn_in_every_group_at_the_next_load_whatever
     # and the next load of all four works too (nothing left in the store out of step)
     again = on_threads({r: (lambda r=r: d.arrive(g[r], 10.0, "loading x")) for r in FOUR})
     assert {r: str(e) if e else None for r, (e, _) in again.items()} == {r: None for r in FOUR}, again
+
+
+# --------------------------------------------------------------------------- a call that began before the others gave up
+#
+# A rank's call to a load begins (d.begin: an entry point's start, or an integration's
+# discovery of the set, which may take minutes) before its check-in. When the others give
+# up waiting for it meanwhile (arrival_timeout), what it does next belongs to that abandoned
+# check-in, not to their next load: it fails (tell_failed) or arrives (arrive) "too late".
+
+
+def pair():
+    """Ranks 0 and 1 of one data-parallel group over one store."""
+    store, trace = dist.HashStore(), Trace()
+    stores = [TracedStore(store, r, trace) for r in (0, 1)]
+    return trace, stores, [[d.Group.over_store(stores[r], [0, 1], r, DP)] for r in (0, 1)]
+
+
+def given_up_on(g, ranks, late: int, timeout: float = 0.2) -> None:
+    """Every rank of ``ranks`` but ``late`` checks in and gives up waiting for ``late``."""
+    said = on_threads({r: (lambda r=r: d.arrive(g[r], timeout, "loading x")) for r in ranks if r != late})
+    for r, (e, _) in said.items():
+        assert isinstance(e, DistributedLoadError), said
+        assert "did not arrive" in str(e) or "rank 3" in str(e), said
+
+
+def waiting(trace: Trace, rank: int, role: str, gen: int) -> None:
+    """Until ``rank`` waits for the verdict of its check-in number ``gen`` of ``role``."""
+    trace.wait_until(lambda t: t.seen(rank, "wait", role, f"/{gen}/state", "at"))
+
+
+def test_a_failure_after_the_others_gave_up_is_not_handed_to_their_next_load():
+    """Rank 1's call begins, the others give up waiting for it (arrival_timeout), then its
+    call fails before the check-in (a slow discovery that ends in an error). That failure
+    was the abandoned load's: the next load, rank 1 coming well after rank 0 (longer than
+    the others wait for a failed rank's next check-in), works on both. Before, rank 1's
+    failure settled the next check-in: rank 0 raised it (a load late, a good load failed)
+    and rank 1 then waited for rank 0 at the one after."""
+    trace, stores, g = pair()
+    b.begin(g[1])
+    given_up_on(g, (0, 1), late=1)
+    d.tell_failed(g[1], ValueError("rank 1's discovery failed, after the others gave up"), 0.2)
+
+    def late_rank():
+        waiting(trace, 0, DP, 1)
+        time.sleep(4 * d._RETURN_GRACE)  # rank 0 would have raised a failure settled there by now
+        b.begin(g[1])
+        d.arrive(g[1], 10.0, "loading y")
+
+    said = on_threads({0: lambda: d.arrive(g[0], 10.0, "loading y"), 1: late_rank})
+    assert {r: str(e) if e else None for r, (e, _) in said.items()} == {0: None, 1: None}, said
+
+
+def test_a_rank_that_arrives_after_the_others_gave_up_is_told_at_once():
+    """Rank 1's call began before the others gave up on it; it arrives afterwards. It is
+    told at once that it came too late (naming the timeout to raise), instead of waiting
+    a whole arrival_timeout of its own at the check-in after, where no one comes (the
+    others' next load then met a check-in out of step). The next load of both works."""
+    trace, stores, g = pair()
+    b.begin(g[1])
+    given_up_on(g, (0, 1), late=1)
+    b.begin(g[1])  # the engine's entry point, after the integration's discovery: the same call
+    said = on_threads({1: lambda: d.arrive(g[1], 10.0, "loading x")})
+    e, seconds = said[1]
+    assert isinstance(e, DistributedLoadError), said
+    assert re.search(r"loading x: rank 1 arrived after the other ranks of the data-parallel group \[0, 1\] had "
+                     r"stopped waiting for it \(arrival_timeout=0\.2s\).*raise arrival_timeout=", str(e)), e
+    assert e.failures == {1: "never arrived"}, e.failures
+    assert seconds < 2.0, said
+    again = on_threads({r: (lambda r=r: (b.begin(g[r]), d.arrive(g[r], 10.0, "loading y"))) for r in (0, 1)})
+    assert {r: str(e) if e else None for r, (e, _) in again.items()} == {0: None, 1: None}, again
+
+
+def test_a_late_failure_in_a_grid_is_not_handed_to_the_next_load_of_either_group():
+    """The same in a 2x2 grid: rank 3's call begins, ranks 1 and 2 give up on it in its
+    data- and model-parallel groups (rank 0 stops with them), then rank 3's call fails.
+    The next load of all four, rank 3 the last by far, works on every rank."""
+    trace, stores, g = grid()
+    for r in FOUR:
+        b.begin(g[r])
+    given_up_on(g, FOUR, late=3)
+    d.tell_failed(g[3], ValueError("rank 3's discovery failed, after the others gave up"), 0.2)
+
+    def late_rank():
+        waiting(trace, 1, DP, 1)
+        waiting(trace, 2, MP, 1)
+        time.sleep(4 * d._RETURN_GRACE)
+        d.arrive(g[3], 10.0, "loading y")
+
+    calls = {r: (lambda r=r: d.arrive(g[r], 10.0, "loading y")) for r in (0, 1, 2)}
+    said = on_threads({**calls, 3: late_rank})
+    assert {r: str(e) if e else None for r, (e, _) in said.items()} == {r: None for r in FOUR}, said
+
+
+def test_a_call_that_began_and_ended_without_a_check_in_leaves_nothing_for_the_next():
+    """A call that began and then ended on every rank without loading (an integration's
+    "no checkpoint yet"; b.forget_begun) leaves no start behind: the next load of both,
+    which begins and checks in as usual, works."""
+    trace, stores, g = pair()
+    for r in (0, 1):
+        b.begin(g[r])
+        b.forget_begun(g[r])
+    # the others give up on rank 1 at a load it never began (it skipped it): its next load
+    # meets them at their next one, as before
+    given_up_on(g, (0, 1), late=1)
+    said = on_threads({r: (lambda r=r: (b.begin(g[r]), d.arrive(g[r], 10.0, "loading y"))) for r in (0, 1)})
+    assert {r: str(e) if e else None for r, (e, _) in said.items()} == {0: None, 1: None}, said
+
+
+def test_a_call_that_raised_before_its_check_in_leaves_no_start_for_the_retry():
+    """Rank 1's call begins inside an entry point (b.load_call) and raises before its
+    check-in, on a path that tells no one (the others then give up on it at their
+    arrival_timeout). The user retries on both ranks, on time: the retry works on both.
+    Without the call's end forgetting where it began, rank 1's retry took the earlier
+    call's start as its own and raised "arrived after the other ranks ... had stopped
+    waiting" at once, and rank 0 waited its whole timeout for it."""
+    trace, stores, g = pair()
+
+    def failing_call():
+        with b.load_call():
+            b.begin(g[1])
+            raise ValueError("a device that does not exist, before the check-in")
+
+    with pytest.raises(ValueError):
+        failing_call()
+    given_up_on(g, (0, 1), late=1)
+
+    def retry(r):
+        with b.load_call():
+            b.begin(g[r])
+            d.arrive(g[r], 10.0, "loading y")
+
+    said = on_threads({r: (lambda r=r: retry(r)) for r in (0, 1)})
+    assert {r: str(e) if e else None for r, (e, _) in said.items()} == {0: None, 1: None}, said
+    assert all(s < 5.0 for _, s in said.values()), said
+    assert not b.BEGUN.get(0) and not b.BEGUN.get(1)

@@ -1,0 +1,158 @@
+"""One process loads a singleton, warm and cold: the engine, its peers, and the read limit, in one run.
+
+    .venv/bin/python bench/single_load.py [--gib 0.25 0.5 1 2] [--repeat 3] [--json] [--keep DIR]
+
+For each size, a synthetic fp32 metaseq singleton (``bench/_synth.py``; the same weights
+also saved as .safetensors beside it, each storage once) is loaded in a fresh process per
+run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child runs these):
+
+* the limit: ``preadv`` of the .pt file into one freshly allocated buffer of its size, on a
+  pool of 2 and of 4 threads (16 MiB pieces); the best of the two is the limit of the row's
+  cache state, and ``x limit`` is each row's time over it;
+* ``load_state_dict(path, no_dist=True)`` as shipped, and with ``$METASEQ_ONELOAD_O_DIRECT=1``
+  (O_DIRECT straight into the destination);
+* ``torch.load(mmap=False)``; ``torch.load(mmap=True)`` then a copy of every storage into
+  fresh memory; safetensors' ``load_file`` (which maps the file: nothing is read until
+  touched) then a copy of every tensor into fresh memory; fastsafetensors' ``fastsafe_open``
+  on CPU (``nogds``), where it is installed (``pip install fastsafetensors``; not a
+  requirement: the row is left out without it, and a run that fails shows its error).
+
+Warm: the files are in the page cache. Cold: ``posix_fadvise(DONTNEED)`` on the files before
+each run (``read_bytes`` shows each run fetched the file from the device). Rows alternate
+within a round; the table gives the best and the median of ``--repeat`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench._report import drop_cache, print_table  # noqa: E402
+from bench.read_bandwidth import run_mode, with_safetensors  # noqa: E402
+
+MiB = 1 << 20
+LIMIT = ("preadv2", "preadv4")
+
+
+def _modes() -> list:
+    """(label, mode, threads, env), in the order each round runs them."""
+    modes = [("limit: preadv, 2 threads, fresh memory", "preadv2", 2, {}),
+             ("limit: preadv, 4 threads, fresh memory", "preadv4", 4, {}),
+             ("oneload load_state_dict", "engine", 8, {}),
+             ("oneload, O_DIRECT=1", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "1"}),
+             ("torch.load(mmap=False)", "torch.load", 1, {}),
+             ("torch.load(mmap=True) + copy", "torch.load-mmap-copy", 1, {}),
+             ("safetensors load_file + copy", "safetensors-copy", 1, {})]
+    import importlib.util
+
+    if importlib.util.find_spec("fastsafetensors") is not None:  # not a requirement: installed by hand
+        modes.append(("fastsafetensors (cpu, nogds)", "fastsafetensors", 1, {}))
+    return modes
+
+
+def _prepare(gib: float, folder: str) -> str:
+    from bench._synth import metaseq_lm, model_shape, write_metaseq
+
+    shape = model_shape(gib)
+    path = os.path.join(folder, f"synth-{gib:g}.pt")
+    if not os.path.exists(path):
+        write_metaseq(path[:-3], metaseq_lm(shape["layers"], shape["dim"], shape["ffn"], shape["vocab"],
+                                            shape["positions"]))
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)  # clean pages: DONTNEED can drop them
+        os.close(fd)
+    with_safetensors(path)
+    return path
+
+
+def _measure(path: str, repeat: int) -> dict:
+    results: dict = {}
+    files = [path, os.path.splitext(path)[0] + ".safetensors"]
+    for state in ("warm", "cold"):
+        if state == "warm":
+            for f in files:
+                run_mode("cat", f, 1, {})
+        for rnd in range(repeat):
+            for label, mode, n, env in _modes():
+                if state == "cold":
+                    drop_cache(files)
+                try:
+                    r = run_mode(mode, path, n, env)
+                except RuntimeError as e:
+                    r = {"error": str(e).strip().splitlines()[-1][:160]}
+                results.setdefault((state, label), []).append(r)
+                print(f"  {os.path.basename(path)} {state} round {rnd + 1}: {label}: "
+                      f"{r.get('seconds', float('nan')):.2f} s", file=sys.stderr)
+    return results
+
+
+def _rows(results: dict, size: int) -> list:
+    rows = []
+    for state in ("warm", "cold"):
+        ok = {label: [r for r in results.get((state, label), []) if "seconds" in r] for label, *_ in _modes()}
+        limit = min(min(r["seconds"] for r in ok[label]) for label, mode, *_ in _modes() if mode in LIMIT)
+        for label, mode, *_ in _modes():
+            runs = ok[label]
+            if not runs:
+                errs = [r["error"] for r in results.get((state, label), []) if "error" in r]
+                rows.append({"cache": state, "run": label, "error": errs[0] if errs else "not run"})
+                continue
+            best = min(r["seconds"] for r in runs)
+            rows.append({"cache": state, "run": label, "best_s": round(best, 3),
+                         "median_s": round(statistics.median(r["seconds"] for r in runs), 3),
+                         "gib_per_s": round(size / best / 2**30, 2), "x_limit": round(best / limit, 2),
+                         "read_bytes_mib": round(max(r["read_bytes"] for r in runs) / MiB),
+                         "delivered_mib": round(runs[0]["delivered"] / MiB)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="model sizes, GiB (fp32)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds per cache state")
+    ap.add_argument("--keep", help="write the checkpoints into this folder and keep them (reused when there)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    folder = args.keep or tempfile.mkdtemp(prefix="oneload-single-", dir="/tmp")
+    os.makedirs(folder, exist_ok=True)
+    tables = []
+    try:
+        for gib in args.gib:
+            t0 = time.perf_counter()
+            path = _prepare(gib, folder)
+            print(f"  {path}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            size = os.path.getsize(path)
+            tables.append({"gib": gib, "file_bytes": size, "rows": _rows(_measure(path, args.repeat), size)})
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    meta = {"repeat": args.repeat, "torch": torch.__version__, "cpus": os.cpu_count()}
+    if args.json:
+        print(json.dumps({**meta, "tables": tables}, indent=2))
+        return 0
+    for t in tables:
+        print(f"\n{t['file_bytes'] / 2**30:.2f} GiB fp32 singleton, best and median of {args.repeat}, "
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs; 'x limit': best time over the best "
+              "preadv-into-fresh-memory time of the same cache state (below 1: faster than the limit)")
+        header = ["cache", "run", "best s", "median s", "GiB/s", "x limit", "read_bytes MiB"]
+        body = [[r["cache"], r["run"], "-", "-", "-", "-", r["error"]] if "error" in r else
+                [r["cache"], r["run"], f"{r['best_s']:.2f}", f"{r['median_s']:.2f}", f"{r['gib_per_s']:.2f}",
+                 f"{r['x_limit']:.2f}x", str(r["read_bytes_mib"])] for r in t["rows"]]
+        print_table(header, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
