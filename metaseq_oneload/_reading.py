@@ -342,7 +342,7 @@ class RangeReader:
         done = _pread_full(fd, offset, view[:head]) if head else 0
         if done < head:
             return done
-        got = _pread_direct(dfd, offset + head, view[head + shift: head + shift + body])
+        got = _pread_full(dfd, offset + head, view[head + shift: head + shift + body], _DIO)
         if shift and got:
             ctypes.memmove(p + head, p + head + shift, got)
         done += got
@@ -532,27 +532,17 @@ class RangeReader:
         return self._object_tensor(ext)[start: start + n]
 
 
-def _pread_full(fd: int, offset: int, view: memoryview) -> int:
-    """``preadv`` until ``view`` is full or the file ends: the bytes read."""
+def _pread_full(fd: int, offset: int, view: memoryview, block: int = 0) -> int:
+    """``preadv`` until ``view`` is full or the file ends: the bytes read. ``block``: an
+    O_DIRECT descriptor's alignment (``offset`` and ``view`` aligned), where a count off it
+    is the end of the file (a retry from there would be refused)."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
             break
         done += n
-    return done
-
-
-def _pread_direct(fd: int, offset: int, view: memoryview) -> int:
-    """:func:`_pread_full` on an O_DIRECT descriptor (``offset`` and ``view`` aligned): a
-    count off the alignment is the end of the file (a retry from there would be refused)."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            break
-        done += n
-        if n % _DIO:
+        if block and n % block:
             break
     return done
 
