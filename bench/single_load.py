@@ -1,6 +1,7 @@
 """One process loads a singleton, warm and cold: the engine, its peers, and the read limit, in one run.
 
     .venv/bin/python bench/single_load.py [--gib 0.25 0.5 1 2] [--repeat 3] [--json] [--keep DIR]
+                                          [--cache warm|cold|both] [--only ours,auto,direct,...]
 
 For each size, a synthetic fp32 metaseq singleton (``bench/_synth.py``; the same weights
 also saved as .safetensors beside it, each storage once) is loaded in a fresh process per
@@ -9,8 +10,10 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
 * the limit: ``preadv`` of the .pt file into one freshly allocated buffer of its size, on a
   pool of 2 and of 4 threads (16 MiB pieces); the best of the two is the limit of the row's
   cache state, and ``x limit`` is each row's time over it;
-* ``load_state_dict(path, no_dist=True)`` as shipped, and with ``$METASEQ_ONELOAD_O_DIRECT=1``
-  (O_DIRECT straight into the destination);
+* ``load_state_dict(path, no_dist=True)`` as shipped (every piece through the page cache),
+  with ``$METASEQ_ONELOAD_O_DIRECT=auto`` (O_DIRECT for the pieces the page cache lacks,
+  ``preadv`` for the ones it holds) and with ``=1`` (every piece with O_DIRECT straight into
+  the destination);
 * ``torch.load(mmap=False)``; ``torch.load(mmap=True)`` then a copy of every storage into
   fresh memory; safetensors' ``load_file`` (which maps the file: nothing is read until
   touched) then a copy of every tensor into fresh memory; fastsafetensors' ``fastsafe_open``
@@ -43,20 +46,29 @@ MiB = 1 << 20
 LIMIT = ("preadv2", "preadv4")
 
 
+# key -> (label, mode, threads, env), in the order each round runs them; --only takes keys
+_ALL = {
+    "limit2": ("limit: preadv, 2 threads, fresh memory", "preadv2", 2, {}),
+    "limit4": ("limit: preadv, 4 threads, fresh memory", "preadv4", 4, {}),
+    "ours": ("oneload load_state_dict", "engine", 8, {}),
+    "auto": ("oneload, O_DIRECT=auto", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "auto"}),
+    "direct": ("oneload, O_DIRECT=1", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "1"}),
+    "torch": ("torch.load(mmap=False)", "torch.load", 1, {}),
+    "mmap-copy": ("torch.load(mmap=True) + copy", "torch.load-mmap-copy", 1, {}),
+    "st-copy": ("safetensors load_file + copy", "safetensors-copy", 1, {}),
+    "fastst": ("fastsafetensors (cpu, nogds)", "fastsafetensors", 1, {}),
+}
+_ONLY: tuple = ()
+
+
 def _modes() -> list:
-    """(label, mode, threads, env), in the order each round runs them."""
-    modes = [("limit: preadv, 2 threads, fresh memory", "preadv2", 2, {}),
-             ("limit: preadv, 4 threads, fresh memory", "preadv4", 4, {}),
-             ("oneload load_state_dict", "engine", 8, {}),
-             ("oneload, O_DIRECT=1", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "1"}),
-             ("torch.load(mmap=False)", "torch.load", 1, {}),
-             ("torch.load(mmap=True) + copy", "torch.load-mmap-copy", 1, {}),
-             ("safetensors load_file + copy", "safetensors-copy", 1, {})]
+    """(label, mode, threads, env), in the order each round runs them (the limit's always)."""
     import importlib.util
 
-    if importlib.util.find_spec("fastsafetensors") is not None:  # not a requirement: installed by hand
-        modes.append(("fastsafetensors (cpu, nogds)", "fastsafetensors", 1, {}))
-    return modes
+    keys = [k for k in _ALL if not _ONLY or k in _ONLY or k in ("limit2", "limit4")]
+    if importlib.util.find_spec("fastsafetensors") is None:  # not a requirement: installed by hand
+        keys = [k for k in keys if k != "fastst"]
+    return [_ALL[k] for k in keys]
 
 
 def _prepare(gib: float, folder: str) -> str:
@@ -74,10 +86,10 @@ def _prepare(gib: float, folder: str) -> str:
     return path
 
 
-def _measure(path: str, repeat: int) -> dict:
+def _measure(path: str, repeat: int, states=("warm", "cold")) -> dict:
     results: dict = {}
     files = [path, os.path.splitext(path)[0] + ".safetensors"]
-    for state in ("warm", "cold"):
+    for state in states:
         if state == "warm":
             for f in files:
                 run_mode("cat", f, 1, {})
@@ -95,9 +107,9 @@ def _measure(path: str, repeat: int) -> dict:
     return results
 
 
-def _rows(results: dict, size: int) -> list:
+def _rows(results: dict, size: int, states=("warm", "cold")) -> list:
     rows = []
-    for state in ("warm", "cold"):
+    for state in states:
         ok = {label: [r for r in results.get((state, label), []) if "seconds" in r] for label, *_ in _modes()}
         limit = min(min(r["seconds"] for r in ok[label]) for label, mode, *_ in _modes() if mode in LIMIT)
         for label, mode, *_ in _modes():
@@ -120,8 +132,17 @@ def main(argv=None) -> int:
     ap.add_argument("--gib", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="model sizes, GiB (fp32)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per cache state")
     ap.add_argument("--keep", help="write the checkpoints into this folder and keep them (reused when there)")
+    ap.add_argument("--cache", choices=("warm", "cold", "both"), default="both", help="which cache states")
+    ap.add_argument("--only", help=f"comma-separated rows besides the limit's: {', '.join(_ALL)}")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    global _ONLY
+    if args.only:
+        _ONLY = tuple(k.strip() for k in args.only.split(","))
+        unknown = [k for k in _ONLY if k not in _ALL]
+        if unknown:
+            ap.error(f"--only: unknown rows {unknown}; choose from {', '.join(_ALL)}")
+    states = ("warm", "cold") if args.cache == "both" else (args.cache,)
 
     import torch
 
@@ -134,7 +155,8 @@ def main(argv=None) -> int:
             path = _prepare(gib, folder)
             print(f"  {path}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             size = os.path.getsize(path)
-            tables.append({"gib": gib, "file_bytes": size, "rows": _rows(_measure(path, args.repeat), size)})
+            tables.append({"gib": gib, "file_bytes": size,
+                           "rows": _rows(_measure(path, args.repeat, states), size, states)})
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

@@ -15,21 +15,23 @@ chunk's elements in the ``.distcp`` file, which the engine then reads in place.
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import functools
 import io
 import json
 import math
 import os
 import struct
+import threading
+from typing import Optional
 
 import torch
 
 from . import _storage
 from ._dcp_meta import Item, metadata_of
 from ._errors import CheckpointLayoutError, UnsafeCheckpointError
-from ._unpickle import header
-from ._zip import ZipIndex, parse_archive, record_bytes, stat_key
+from ._unpickle import header, last_element
+from ._zip import ZipIndex, ZipRecord, parse_archive, record_bytes, stat_key
 
 __all__ = ["item_label", "chunk_data_offset", "data_spans", "chunk_tensor", "chunk_key", "parse_chunk_key",
            "item_value", "prefetch_items", "vouch", "vouched_spans"]
@@ -41,9 +43,26 @@ class _Window:
 
     def __init__(self, fd, base: int, size: int):
         self.fd, self.base, self.size = fd, base, size
+        self.ends: tuple = ()  # ((offset in the window, bytes), ...) read ahead by read_ends
+
+    def read_ends(self) -> None:
+        """(a local file) Read the item's first and last bytes now, what parsing it reads
+        (a dozen small reads: the end record, the central directory, each local header, the
+        pickle), in one or two reads; a read they do not hold goes to the file."""
+        if not isinstance(self.fd, int):
+            return
+        if self.size <= _ITEM_HEAD + _ITEM_TAIL:
+            self.ends = ((0, _storage.pread(self.fd, self.size, self.base)),)
+        else:
+            tail = self.size - _ITEM_TAIL
+            self.ends = ((0, _storage.pread(self.fd, _ITEM_HEAD, self.base)),
+                         (tail, _storage.pread(self.fd, _ITEM_TAIL, self.base + tail)))
 
     def pread(self, n: int, offset: int) -> bytes:
         n = max(0, min(n, self.size - offset))
+        for at, buf in self.ends:
+            if at <= offset and offset + n <= at + len(buf):
+                return buf[offset - at:offset - at + n]
         if n and not isinstance(self.fd, int) and n < _ITEM_TAIL and offset + n > self.size - _ITEM_TAIL:
             # the archive's end record, then its central directory and ZIP64 locator before
             # it: one fetch of the item's last bytes (none where prefetch_items took them)
@@ -86,6 +105,7 @@ def _archive(key: tuple, offset: int, length: int, label: str) -> tuple:
                 f"{label}: the .metadata places it past the end of the file ({size} bytes). The folder is "
                 "incomplete or the file was cut short: copy the folder again from where it was saved.")
         window = _Window(fd, offset, length)
+        window.read_ends()
         index = parse_archive(window, label)
         pkl = index.records.get("data.pkl")
         if pkl is None:
@@ -94,8 +114,10 @@ def _archive(key: tuple, offset: int, length: int, label: str) -> tuple:
         data = bytes(record_bytes(window, pkl, label, index.folder))
     finally:
         _storage.close(fd)
-    moved = {n: dataclasses.replace(r, header_offset=r.header_offset + offset, data_offset=r.data_offset + offset)
-             for n, r in index.records.items()}
+    # (each record's fields as parse_archive gave them, two of them moved; dataclasses.replace,
+    # which looks the fields up each call, cost a fifth of the parse)
+    moved = {n: ZipRecord(**{**vars(r), "header_offset": r.header_offset + offset,
+                              "data_offset": r.data_offset + offset}) for n, r in index.records.items()}
     return ZipIndex(path, index.folder, moved, index.byteorder), data
 
 
@@ -168,24 +190,162 @@ def _safetensors_chunk(path: str, fqn: str, item: Item, dtype: torch.dtype, offs
     return start + b
 
 
+# What torch.save writes for one plain tensor (torch's own pickler, protocol 2): every byte
+# fixed but the storage class, the record's key, the numbers and the memo indices. An item
+# whose pickle is exactly this is read here, without the general one-pass reader (a fifth of
+# describing a folder went there); any other pickle goes to that reader. The same checks
+# follow either way: the record, the tensor inside its storage, dtype, shape, strides.
+_STORAGES = {n + "Storage": getattr(torch, d) for n, d in (
+    ("Float", "float32"), ("Double", "float64"), ("Half", "float16"), ("BFloat16", "bfloat16"), ("Long", "int64"),
+    ("Int", "int32"), ("Short", "int16"), ("Char", "int8"), ("Byte", "uint8"), ("Bool", "bool"),
+    ("ComplexFloat", "complex64"), ("ComplexDouble", "complex128"))}
+_TENSOR_HEAD = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((X\x07\x00\x00\x00storageq\x01ctorch\n"
+_TENSOR_TAIL = b"\x89ccollections\nOrderedDict\n"
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _Cursor:
+    __slots__ = ("data", "i")
+
+    def __init__(self, data: bytes, i: int):
+        self.data, self.i = data, i
+
+    def expect(self, b: bytes) -> None:
+        if not self.data.startswith(b, self.i):
+            raise _NotPlain
+        self.i += len(b)
+
+    def memo(self, n: int) -> None:  # BINPUT n: torch's pickler numbers its memo 0, 1, ...
+        self.expect(bytes((0x71, n)))
+
+    def int(self) -> int:
+        d, i = self.data, self.i
+        op = d[i:i + 1]
+        if op == b"K":
+            self.i = i + 2
+            return d[i + 1]
+        if op == b"M":
+            self.i = i + 3
+            return int.from_bytes(d[i + 1:i + 3], "little")
+        if op == b"J":
+            self.i = i + 5
+            return int.from_bytes(d[i + 1:i + 5], "little", signed=True)
+        if op == b"\x8a" and i + 1 < len(d) and 1 <= d[i + 1] <= 8:
+            n = d[i + 1]
+            self.i = i + 2 + n
+            return int.from_bytes(d[i + 2:i + 2 + n], "little", signed=True)
+        raise _NotPlain
+
+    def ints(self, memo: int) -> tuple:
+        """A tuple of ints as torch's pickler writes a size or a stride (memoized unless empty)."""
+        op = self.data[self.i:self.i + 1]
+        if op == b")":
+            self.i += 1
+            return (), memo
+        if op == b"(":
+            self.i += 1
+            out = []
+            while self.data[self.i:self.i + 1] != b"t":
+                out.append(self.int())
+            self.i += 1
+            if len(out) < 4:  # (TUPLE1..3 would have been written)
+                raise _NotPlain
+        else:
+            out = []
+            while self.data[self.i:self.i + 1] not in (b"\x85", b"\x86", b"\x87"):
+                out.append(self.int())
+                if len(out) > 3:
+                    raise _NotPlain
+            if self.data[self.i] - 0x84 != len(out):
+                raise _NotPlain
+            self.i += 1
+        self.memo(memo)
+        return tuple(out), memo + 1
+
+
+def _plain_tensor(data: bytes):
+    """(storage class's dtype, record key, storage elements, storage offset, size, stride)
+    of an item's pickle that is exactly torch.save's of one tensor on the CPU; None for any
+    other (the general reader then reads it)."""
+    if not data.startswith(_TENSOR_HEAD) or len(data) > 4096:
+        return None
+    try:
+        c = _Cursor(data, len(_TENSOR_HEAD))
+        end = data.index(b"\n", c.i)
+        dtype = _STORAGES.get(data[c.i:end].decode("ascii", "replace"))
+        if dtype is None:
+            return None
+        c.i = end + 1
+        c.memo(2)
+        c.expect(b"X")
+        n = int.from_bytes(data[c.i:c.i + 4], "little")
+        key = data[c.i + 4:c.i + 4 + n]
+        if not (0 < n <= 20 and key.isdigit() and len(key) == n):
+            return None
+        c.i += 4 + n
+        c.memo(3)
+        c.expect(b"X\x03\x00\x00\x00cpuq\x04")
+        numel = c.int()
+        c.expect(b"tq\x05Q")
+        offset = c.int()
+        size, memo = c.ints(6)
+        stride, memo = c.ints(memo)
+        c.expect(_TENSOR_TAIL)
+        c.memo(memo)
+        c.expect(b")R")
+        c.memo(memo + 1)
+        c.expect(b"t")
+        c.memo(memo + 2)
+        c.expect(b"R")
+        c.memo(memo + 3)
+        c.expect(b".")
+        if c.i != len(data) or len(size) != len(stride) or offset < 0 or min(stride, default=0) < 0:
+            return None  # (what torch.save never writes: the general reader says why)
+    except (_NotPlain, IndexError, ValueError):
+        return None
+    return dtype, key.decode(), numel, offset, size, stride
+
+
+def _contiguous(size: tuple, stride: tuple) -> bool:
+    """As ``Tensor.is_contiguous``: row-major strides, any stride for a dim of size 1."""
+    if 0 in size:
+        return True
+    want = 1
+    for n, st in zip(reversed(size), reversed(stride)):
+        if n != 1 and st != want:
+            return False
+        want *= n
+    return True
+
+
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
 
 
-def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offsets: tuple, sizes: tuple) -> int:
+def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offsets: tuple, sizes: tuple,
+                      versions: Optional[dict] = None) -> int:
     """(local) Where in ``path`` the elements of the chunk ``item`` holds start, once its
     archive and its pickle agree with the ``.metadata`` (dtype ``dtype``, shape ``sizes``;
-    a safetensors-serialized item: its header, and the chunk's ``offsets``).
+    a safetensors-serialized item: its header, and the chunk's ``offsets``). ``versions``
+    (path -> :func:`._zip.stat_key`), kept by a caller that checks many items of a file in
+    one pass, takes each file's version once per pass instead of once per item.
 
     Raises:
         CheckpointLayoutError: naming the file, the tensor and the item's bytes.
     """
     label = item_label(path, fqn, item)
-    try:
-        key = stat_key(path)
-    except OSError as e:
-        raise CheckpointLayoutError(f"{label}: cannot read the file ({e.strerror or e}).") from e
+    key = versions.get(path) if versions is not None else None
+    if key is None:
+        try:
+            key = stat_key(path)
+        except OSError as e:
+            raise CheckpointLayoutError(f"{label}: cannot read the file ({e.strerror or e}).") from e
+        if versions is not None:
+            versions[path] = key
     if item.offset + item.length > key[1]:
         raise CheckpointLayoutError(
             f"{label}: the .metadata places it past the end of the file ({key[1]} bytes). The folder is "
@@ -201,6 +361,9 @@ def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offse
     if why:
         raise CheckpointLayoutError(f"{label}: {why}; metaseq-oneload reads DCP items in place. Load the folder "
                                     "with torch.distributed.checkpoint.load.")
+    plain = _plain_tensor(data)
+    if plain is not None:
+        return _plain_offset(label, index, plain, dtype, sizes)
     obj, problem = header(label, index, data)
     if problem:
         raise CheckpointLayoutError(f"{label}: {problem}; torch.load would read wrong bytes or refuse it. The "
@@ -222,6 +385,38 @@ def chunk_data_offset(path: str, fqn: str, item: Item, dtype: torch.dtype, offse
         raise CheckpointLayoutError(f"{label}: its tensor's elements are not one run of bytes (strides "
                                     f"{list(obj.stride())}); torch.distributed.checkpoint saves contiguous chunks.")
     return offset if offset is not None else item.offset
+
+
+def _plain_offset(label: str, index: ZipIndex, plain: tuple, dtype: torch.dtype, sizes: tuple) -> int:
+    """:func:`chunk_data_offset`'s checks, and its answer, for a pickle :func:`_plain_tensor`
+    read: those the general reader and then chunk_data_offset make, in the same words."""
+    found_dtype, key, numel, offset, size, stride = plain
+    rec = index.records.get("data/" + key)
+    problem = None
+    if rec is None:
+        problem = f"the pickle refers to record {index.folder}/data/{key}, which the archive does not hold"
+    elif rec.size != numel * found_dtype.itemsize:
+        problem = (f"storage record {index.folder}/data/{key} holds {rec.size} bytes, the header declares "
+                   f"{numel * found_dtype.itemsize}")
+    elif 0 not in size:
+        last = last_element(offset, size, stride)
+        if last is None:
+            problem = "a tensor with negative strides or offsets"
+        elif last >= numel:
+            problem = f"a tensor reaches element {last + 1} of a storage of {numel} elements"
+    if problem:
+        raise CheckpointLayoutError(f"{label}: {problem}; torch.load would read wrong bytes or refuse it. The "
+                                    "file is damaged or was edited: copy the folder again from where it was saved.")
+    if (found_dtype, size) != (dtype, tuple(sizes)):
+        raise CheckpointLayoutError(
+            f"{label}: holds a {str(found_dtype).replace('torch.', '')} tensor of shape {list(size)}, the "
+            f".metadata declares {str(dtype).replace('torch.', '')} {list(sizes)} for this chunk. The folder mixes "
+            "two saves or was edited: copy it again from where it was saved.")
+    if not _contiguous(size, stride):
+        if math.prod(size) > 0:
+            raise CheckpointLayoutError(f"{label}: its tensor's elements are not one run of bytes (strides "
+                                        f"{list(stride)}); torch.distributed.checkpoint saves contiguous chunks.")
+    return rec.data_offset + offset * found_dtype.itemsize
 
 
 # What parsing an item reads of it: its first bytes (the local headers, the pickle: about
@@ -257,28 +452,47 @@ def prefetch_items(path: str, items) -> None:
 
 
 # (starts, ends) of the chunks of .distcp files that the rank which described the folder
-# checked (chunk_data_offset) and sent in the layout, by file version: a rank that adopts
-# the layout takes them instead of parsing every item again (a file changed since has
-# another version and is parsed). Only ever a subset of what data_spans finds: a read
-# outside them is checked against the parsed items (RangeReader).
-_VOUCHED: dict = {}
+# checked (chunk_data_offset) and sent in the layout: a rank that adopts the layout takes
+# them instead of parsing every item again. Only ever a subset of what data_spans finds: a
+# read outside them is checked against the parsed items (RangeReader). By file, with the
+# version they were checked at: a file changed since has another version, is parsed, and
+# its entry goes; the least recently vouched files go past _VOUCHED_MAX (a long-lived
+# process that loads checkpoint after checkpoint keeps the spans of its last few thousand
+# files, as _archive keeps items and _zip.zip_index archives).
+_VOUCHED: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()  # path -> (version, spans)
+_VOUCHED_MAX = 1 << 12
+_VOUCHED_LOCK = threading.Lock()  # (RangeReader's pool threads read it while a describe adds)
 
 
 def vouch(spans: dict) -> None:
     """(local) Record ``{path: (starts, ends)}`` a describing rank verified (see above)."""
     for path, se in spans.items():
         try:
-            _VOUCHED[stat_key(path)] = (list(se[0]), list(se[1]))
+            key = stat_key(path)
         except OSError:
-            pass
+            continue
+        with _VOUCHED_LOCK:
+            _VOUCHED.pop(key[0], None)
+            _VOUCHED[key[0]] = (key, (list(se[0]), list(se[1])))
+            while len(_VOUCHED) > _VOUCHED_MAX:
+                _VOUCHED.popitem(last=False)
 
 
 def vouched_spans(path: str):
-    """(local) The spans :func:`vouch` recorded for this version of ``path``, or None."""
+    """(local) The spans :func:`vouch` recorded for this version of ``path``, or None (and
+    those of another version are dropped)."""
     try:
-        return _VOUCHED.get(stat_key(path))
+        key = stat_key(path)
     except OSError:
         return None
+    with _VOUCHED_LOCK:
+        entry = _VOUCHED.get(key[0])
+        if entry is None:
+            return None
+        if entry[0] != key:
+            del _VOUCHED[key[0]]
+            return None
+        return entry[1]
 
 
 def data_spans(path: str) -> tuple:
@@ -287,12 +501,13 @@ def data_spans(path: str) -> tuple:
     folder, name = os.path.split(path)
     meta = metadata_of(folder)
     spans = []
+    versions: dict = {}
     for t in meta.tensors.values():
         for c in t.chunks:
             item = meta.item(t.fqn, c.offsets)
             if item is None or item.relative_path != name or item.transforms or not math.prod(c.sizes):
                 continue
-            start = chunk_data_offset(path, t.fqn, item, t.dtype, c.offsets, c.sizes)
+            start = chunk_data_offset(path, t.fqn, item, t.dtype, c.offsets, c.sizes, versions)
             spans.append((start, start + math.prod(c.sizes) * t.dtype.itemsize))
     spans.sort()
     return [a for a, _ in spans], [b for _, b in spans]

@@ -150,15 +150,20 @@ _OPS = {name: getattr(__import__("pickle"), name)[0] for name in (
     "BINBYTES", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "APPEND",
     "APPENDS", "SETITEM", "SETITEMS", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET", "GLOBAL",
     "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "DICT", "LIST")}
-_BY_CODE = {v: k for k, v in _OPS.items()}
 # Opcodes that construct or call by other routes (the old INST/OBJ, copyreg's extension
 # registry, persistent ids, NEWOBJ_EX's keyword arguments): never in a .metadata.
 _CALLING = {b"i"[0]: "INST", b"o"[0]: "OBJ", b"\x82"[0]: "EXT1", b"\x83"[0]: "EXT2", b"\x84"[0]: "EXT4",
             b"P"[0]: "PERSID", b"Q"[0]: "BINPERSID", b"\x92"[0]: "NEWOBJ_EX"}
+_B, _H, _I4, _U4, _Q, _D = (struct.Struct(f) for f in ("<B", "<H", "<i", "<I", "<Q", ">d"))
+_TRUNCATED = "it ends in the middle of an opcode (truncated)"
 
 
 class _Machine:
-    """Runs a pickle's opcodes onto plain containers and records (see the module docstring)."""
+    """Runs a pickle's opcodes onto plain containers and records (see the module docstring):
+    one handler per opcode, found by its byte (:data:`_HANDLERS`); a 70B model's .metadata
+    is millions of opcodes, most of them memo, tuple and small-int ones."""
+
+    __slots__ = ("data", "i", "stack", "marks", "memo")
 
     def __init__(self, data: bytes):
         self.data, self.i = data, 0
@@ -168,13 +173,17 @@ class _Machine:
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.i + n > len(self.data):
-            raise _Damaged("it ends in the middle of an opcode (truncated)")
+            raise _Damaged(_TRUNCATED)
         b = self.data[self.i:self.i + n]
         self.i += n
         return b
 
-    def u(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+    def u(self, st: struct.Struct) -> Any:
+        i = self.i
+        if i + st.size > len(self.data):
+            raise _Damaged(_TRUNCATED)
+        self.i = i + st.size
+        return st.unpack_from(self.data, i)[0]
 
     def text(self, n: int) -> str:
         try:
@@ -196,164 +205,207 @@ class _Machine:
         return self.stack.pop()
 
     def run(self) -> Any:
+        data, handlers, n = self.data, _HANDLERS, len(self.data)
         while True:
-            if self.i >= len(self.data):
+            i = self.i
+            if i >= n:
                 raise _Damaged("it ends before its STOP opcode (truncated)")
-            code = self.data[self.i]
-            self.i += 1
-            name = _BY_CODE.get(code)
-            if name is None:
+            code = data[i]
+            self.i = i + 1
+            handler = handlers.get(code)
+            if handler is None:
+                if code == _STOP:
+                    if len(self.stack) != 1 or self.marks:
+                        raise _Damaged("it stops with other than one object on its stack")
+                    return self.stack[0]
                 if code in _CALLING:
                     raise _Unsafe(f"it uses the {_CALLING[code]} opcode, which constructs objects outside the allowlist")
-                raise _Damaged(f"opcode {code:#04x} at byte {self.i - 1}, which pickle.dump does not write for DCP")
-            if name == "STOP":
-                if len(self.stack) != 1 or self.marks:
-                    raise _Damaged("it stops with other than one object on its stack")
-                return self.stack[0]
-            self.step(name)
-
-    def step(self, name: str) -> None:
-        # Straight to the one method that handles the opcode (each returns False for any
-        # other): a memo opcode, most of a .metadata's, no longer walks the two chains before.
-        group = _GROUP_OF.get(name)
-        if group is None or not group(self, name):
-            self.objects(name)
-
-    def scalar(self, name: str) -> bool:
-        push = self.stack.append
-        if name == "PROTO":
-            if self.take(1)[0] > 5:
-                raise _Damaged("an unknown pickle protocol")
-        elif name == "FRAME":
-            self.take(8)
-        elif name == "NONE":
-            push(None)
-        elif name in ("NEWTRUE", "NEWFALSE"):
-            push(name == "NEWTRUE")
-        elif name == "BININT":
-            push(self.u("<i"))
-        elif name == "BININT1":
-            push(self.u("<B"))
-        elif name == "BININT2":
-            push(self.u("<H"))
-        elif name in ("LONG1", "LONG4"):
-            n = self.u("<B") if name == "LONG1" else self.u("<i")
-            if not 0 <= n <= 8:
-                raise _Damaged("an integer wider than 64 bits")
-            push(int.from_bytes(self.take(n), "little", signed=True))
-        elif name == "BINFLOAT":
-            push(self.u(">d"))
-        elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"):
-            push(self.text(self.u({"SHORT_BINUNICODE": "<B", "BINUNICODE": "<I", "BINUNICODE8": "<Q"}[name])))
-        elif name in ("SHORT_BINBYTES", "BINBYTES"):
-            push(self.take(self.u("<B") if name == "SHORT_BINBYTES" else self.u("<I")))
-        else:
-            return False
-        return True
-
-    def container(self, name: str) -> bool:
-        st = self.stack
-        if name == "MARK":
-            self.marks.append(len(st))
-        elif name == "POP":
-            self.pop()
-        elif name == "POP_MARK":
-            self.pop_mark()
-        elif name == "DUP":
-            st.append(self.pop())
-            st.append(st[-1])
-        elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE"):
-            st.append({"EMPTY_DICT": dict, "EMPTY_LIST": list, "EMPTY_TUPLE": tuple}[name]())
-        elif name in ("TUPLE", "LIST"):
-            items = self.pop_mark()
-            st.append(tuple(items) if name == "TUPLE" else items)
-        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            n = int(name[-1])
-            items = [self.pop() for _ in range(n)][::-1]
-            st.append(tuple(items))
-        elif name in ("APPEND", "APPENDS"):
-            items = [self.pop()] if name == "APPEND" else self.pop_mark()
-            target = self.pop()
-            if type(target) is not list:
-                raise _Damaged("APPEND(S) to something other than a list")
-            target.extend(items)
-            st.append(target)
-        elif name in ("SETITEM", "SETITEMS", "DICT"):
-            items = ([self.pop(), self.pop()][::-1] if name == "SETITEM" else self.pop_mark())
-            target = {} if name == "DICT" else self.pop()
-            if type(target) is not dict or len(items) % 2:
-                raise _Damaged("SETITEM(S) on something other than a dict")
-            for k, v in zip(items[::2], items[1::2]):
-                if type(k) not in _KEY_TYPES:
-                    raise _Damaged(f"a dict key of type {type(k).__name__}")
-                target[k] = v
-            st.append(target)
-        else:
-            return False
-        return True
-
-    def memo_op(self, name: str) -> bool:
-        if name in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            if not self.stack:
-                raise _Damaged("a memo PUT with an empty stack")
-            idx = self.u("<B") if name == "BINPUT" else self.u("<I") if name == "LONG_BINPUT" else len(self.memo)
-            self.memo[idx] = self.stack[-1]
-        elif name in ("BINGET", "LONG_BINGET"):
-            idx = self.u("<B") if name == "BINGET" else self.u("<I")
-            if idx not in self.memo:
-                raise _Damaged(f"memo entry {idx}, which it never stored")
-            self.stack.append(self.memo[idx])
-        else:
-            return False
-        return True
-
-    def objects(self, name: str) -> None:
-        st = self.stack
-        if name in ("GLOBAL", "STACK_GLOBAL"):
-            if name == "GLOBAL":  # two lines (found in place: a copy of the rest per GLOBAL is quadratic)
-                a = self.data.find(b"\n", self.i)
-                b = self.data.find(b"\n", a + 1) if a >= 0 else -1
-                if b < 0:
-                    raise _Damaged("it ends in the middle of an opcode (truncated)")
-                module = self.data[self.i:a].decode("utf-8", "replace")
-                qual = self.data[a + 1:b].decode("utf-8", "replace")
-                self.i = b + 1
-            else:
-                qual, module = self.pop(), self.pop()
-                if not (isinstance(module, str) and isinstance(qual, str)):
-                    raise _Damaged("STACK_GLOBAL of something other than two strings")
-            st.append(_global(module, qual))
-        elif name == "NEWOBJ":
-            args, cls = self.pop(), self.pop()
-            if type(cls) is not _Class or args != ():
-                raise _Damaged("NEWOBJ of something other than an allowed class")
-            st.append(_Rec(cls.name))
-        elif name == "REDUCE":
-            args, fn = self.pop(), self.pop()
-            if type(fn) is not _Func or type(args) is not tuple:
-                raise _Unsafe("it calls something other than an allowed function")
-            st.append(fn.convert(args))
-        elif name == "BUILD":
-            state, obj = self.pop(), self.pop()
-            if type(obj) is not _Rec or obj.state is not None:
-                raise _Damaged("BUILD of something other than a new DCP metadata object")
-            obj.state = state
-            st.append(obj)
-        else:  # pragma: no cover - every name in _OPS is handled above
-            raise _Damaged(f"opcode {name}")
+                raise _Damaged(f"opcode {code:#04x} at byte {i}, which pickle.dump does not write for DCP")
+            handler(self)
 
 
-# Which method of :class:`_Machine` handles each opcode (the names each one tests for; the
-# rest go to ``objects``, which refuses what it does not know).
-_GROUP_OF = {
-    **dict.fromkeys(("PROTO", "FRAME", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1",
-                     "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES",
-                     "BINBYTES"), _Machine.scalar),
-    **dict.fromkeys(("MARK", "POP", "POP_MARK", "DUP", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "TUPLE", "LIST",
-                     "TUPLE1", "TUPLE2", "TUPLE3", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "DICT"),
-                    _Machine.container),
-    **dict.fromkeys(("BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET"), _Machine.memo_op),
+_STOP = _OPS["STOP"]
+
+
+# ---- the opcodes' handlers, each given the machine (by name: _HANDLERS maps the bytes)
+def _op_proto(m: _Machine) -> None:
+    if m.take(1)[0] > 5:
+        raise _Damaged("an unknown pickle protocol")
+
+
+def _op_frame(m: _Machine) -> None:
+    m.take(8)
+
+
+def _op_long(m: _Machine, n: int) -> None:
+    if not 0 <= n <= 8:
+        raise _Damaged("an integer wider than 64 bits")
+    m.stack.append(int.from_bytes(m.take(n), "little", signed=True))
+
+
+def _op_tuple_n(n: int):
+    def handler(m: _Machine) -> None:
+        items = [m.pop() for _ in range(n)]
+        items.reverse()
+        m.stack.append(tuple(items))
+    return handler
+
+
+def _op_tuple1(m: _Machine) -> None:  # the commonest tuple (a chunk's offsets of a 1-D tensor, an argument)
+    m.stack.append((m.pop(),))
+
+
+def _op_marked(kind):
+    def handler(m: _Machine) -> None:
+        m.stack.append(kind(m.pop_mark()))
+    return handler
+
+
+def _op_append(m: _Machine, items: list) -> None:
+    target = m.pop()
+    if type(target) is not list:
+        raise _Damaged("APPEND(S) to something other than a list")
+    target.extend(items)
+    m.stack.append(target)
+
+
+def _op_setitems(m: _Machine, items: list, target: Any) -> None:
+    if type(target) is not dict or len(items) % 2:
+        raise _Damaged("SETITEM(S) on something other than a dict")
+    for k, v in zip(items[::2], items[1::2]):
+        if type(k) not in _KEY_TYPES:
+            raise _Damaged(f"a dict key of type {type(k).__name__}")
+        target[k] = v
+    m.stack.append(target)
+
+
+def _op_setitems_marked(m: _Machine) -> None:
+    items = m.pop_mark()
+    _op_setitems(m, items, m.pop())
+
+
+def _op_setitem(m: _Machine) -> None:
+    v = m.pop()
+    k = m.pop()
+    _op_setitems(m, [k, v], m.pop())
+
+
+def _op_put(m: _Machine, index: struct.Struct) -> None:
+    if not m.stack:
+        raise _Damaged("a memo PUT with an empty stack")
+    m.memo[m.u(index)] = m.stack[-1]
+
+
+def _op_get(m: _Machine, idx: int) -> None:
+    if idx not in m.memo:
+        raise _Damaged(f"memo entry {idx}, which it never stored")
+    m.stack.append(m.memo[idx])
+
+
+def _op_binget(m: _Machine) -> None:  # the commonest opcode after MEMOIZE: its byte read in place
+    i = m.i
+    if i >= len(m.data):
+        raise _Damaged(_TRUNCATED)
+    m.i = i + 1
+    _op_get(m, m.data[i])
+
+
+def _op_memoize(m: _Machine) -> None:
+    if not m.stack:
+        raise _Damaged("a memo PUT with an empty stack")
+    m.memo[len(m.memo)] = m.stack[-1]
+
+
+def _op_global(m: _Machine) -> None:
+    # two lines (found in place: a copy of the rest per GLOBAL is quadratic)
+    a = m.data.find(b"\n", m.i)
+    b = m.data.find(b"\n", a + 1) if a >= 0 else -1
+    if b < 0:
+        raise _Damaged(_TRUNCATED)
+    module = m.data[m.i:a].decode("utf-8", "replace")
+    qual = m.data[a + 1:b].decode("utf-8", "replace")
+    m.i = b + 1
+    m.stack.append(_global(module, qual))
+
+
+def _op_stack_global(m: _Machine) -> None:
+    qual, module = m.pop(), m.pop()
+    if not (isinstance(module, str) and isinstance(qual, str)):
+        raise _Damaged("STACK_GLOBAL of something other than two strings")
+    m.stack.append(_global(module, qual))
+
+
+def _op_newobj(m: _Machine) -> None:
+    args, cls = m.pop(), m.pop()
+    if type(cls) is not _Class or args != ():
+        raise _Damaged("NEWOBJ of something other than an allowed class")
+    m.stack.append(_Rec(cls.name))
+
+
+def _op_reduce(m: _Machine) -> None:
+    args, fn = m.pop(), m.pop()
+    if type(fn) is not _Func or type(args) is not tuple:
+        raise _Unsafe("it calls something other than an allowed function")
+    m.stack.append(fn.convert(args))
+
+
+def _op_build(m: _Machine) -> None:
+    state, obj = m.pop(), m.pop()
+    if type(obj) is not _Rec or obj.state is not None:
+        raise _Damaged("BUILD of something other than a new DCP metadata object")
+    obj.state = state
+    m.stack.append(obj)
+
+
+def _op_dup(m: _Machine) -> None:
+    m.stack.append(m.pop())
+    m.stack.append(m.stack[-1])
+
+
+def _op_pop_mark(m: _Machine) -> None:
+    m.pop_mark()
+
+
+_BY_NAME = {
+    "PROTO": _op_proto, "FRAME": _op_frame,
+    "NONE": lambda m: m.stack.append(None),
+    "NEWTRUE": lambda m: m.stack.append(True),
+    "NEWFALSE": lambda m: m.stack.append(False),
+    "BININT": lambda m: m.stack.append(m.u(_I4)),
+    "BININT1": lambda m: m.stack.append(m.u(_B)),
+    "BININT2": lambda m: m.stack.append(m.u(_H)),
+    "LONG1": lambda m: _op_long(m, m.u(_B)),
+    "LONG4": lambda m: _op_long(m, m.u(_I4)),
+    "BINFLOAT": lambda m: m.stack.append(m.u(_D)),
+    "SHORT_BINUNICODE": lambda m: m.stack.append(m.text(m.u(_B))),
+    "BINUNICODE": lambda m: m.stack.append(m.text(m.u(_U4))),
+    "BINUNICODE8": lambda m: m.stack.append(m.text(m.u(_Q))),
+    "SHORT_BINBYTES": lambda m: m.stack.append(m.take(m.u(_B))),
+    "BINBYTES": lambda m: m.stack.append(m.take(m.u(_U4))),
+    "MARK": lambda m: m.marks.append(len(m.stack)),
+    "POP": lambda m: m.pop(),
+    "POP_MARK": _op_pop_mark,
+    "DUP": _op_dup,
+    "EMPTY_DICT": lambda m: m.stack.append({}),
+    "EMPTY_LIST": lambda m: m.stack.append([]),
+    "EMPTY_TUPLE": lambda m: m.stack.append(()),
+    "TUPLE": _op_marked(tuple), "LIST": _op_marked(list),
+    "TUPLE1": _op_tuple1, "TUPLE2": _op_tuple_n(2), "TUPLE3": _op_tuple_n(3),
+    "APPEND": lambda m: _op_append(m, [m.pop()]),
+    "APPENDS": lambda m: _op_append(m, m.pop_mark()),
+    "SETITEM": _op_setitem,
+    "SETITEMS": _op_setitems_marked,
+    "DICT": lambda m: _op_setitems(m, m.pop_mark(), {}),
+    "BINPUT": lambda m: _op_put(m, _B),
+    "LONG_BINPUT": lambda m: _op_put(m, _U4),
+    "MEMOIZE": _op_memoize,
+    "BINGET": _op_binget,
+    "LONG_BINGET": lambda m: _op_get(m, m.u(_U4)),
+    "GLOBAL": _op_global, "STACK_GLOBAL": _op_stack_global,
+    "NEWOBJ": _op_newobj, "REDUCE": _op_reduce, "BUILD": _op_build,
 }
+# Which handler runs each opcode, by its byte; STOP (and anything else) is the loop's own.
+_HANDLERS = {_OPS[name]: handler for name, handler in _BY_NAME.items()}
 
 
 # --------------------------------------------------------------------------- the description

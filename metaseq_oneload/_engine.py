@@ -29,7 +29,7 @@ from ._digest_check import Hashing, check as check_digests, claims_missing, sett
 from ._dist import Group, PeerFailure, arrive, clip, settle, tell_left
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OptionError, StateDictMismatchError,
                       cap_list)
-from ._nodes import node_key, page_cache_view
+from ._nodes import launched_alone, node_key, page_cache_view
 from ._execute import Want, counting, execute, fill, sum64
 from ._layout import CheckpointLayout
 from ._options import Options
@@ -127,7 +127,7 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         part, ranges = _plan(path, dp, mp, opts, flat, layout, targets, wants, topo)
         total = sum(w.out.numel() * w.out.element_size() for w in wants)
         if layout is not None:
-            reader = _reader(opts, part, dp)
+            reader = _reader(opts, part, dp, alone=dp.size == 1 and mp.size == 1 and launched_alone())
         # Logged before the bar appears: a line printed under it would break it.
         if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
             logger.info("oneload: %s: strategy=%s (%s)", path, part.strategy, part.reason)
@@ -177,14 +177,16 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
 SERIAL_READ_BYTES = 32 << 20
 
 
-def _reader(opts: Options, part: PartPlan, dp: Group) -> RangeReader:
+def _reader(opts: Options, part: PartPlan, dp: Group, alone: bool) -> RangeReader:
     """(local) This rank's reader: the settings' pool of threads, or the serial reader where
-    the plan has it read little."""
+    the plan has it read little. ``alone``: the load has no other rank and no launcher
+    started other processes on this host, so no other reader of these files shares their
+    page cache (O_DIRECT may be chosen per piece)."""
     mine = [r.bytes_read for r in part.ranks if r.data_parallel_rank == dp.rank]
     # $METASEQ_ONELOAD_READ_THREADS set by the user is taken as it is, small loads included
     serial = opts.settings.read_threads is None and bool(mine) and mine[0] < SERIAL_READ_BYTES
     return RangeReader(chunk_bytes=opts.chunk_bytes, trust_pickle=opts.trust_pickle, settings=opts.settings,
-                       read_threads=1 if serial else None)
+                       read_threads=1 if serial else None, alone=alone)
 
 
 # --------------------------------------------------------------------------- agreement

@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._begun import begin, load_call
 from ._dist import Group, settle
 from ._errors import CheckpointLayoutError, CheckpointNotFoundError, OneloadError, StateDictMismatchError
 from ._into import is_dtensor, owner_of
-from ._loading import load_into
+from ._loading import load_groups, load_into
 
 __all__ = ["from_pretrained", "empty_model", "fully_shard_blocks", "fsdp1_param_init_fn"]
 
@@ -500,6 +501,7 @@ def _placement(model: nn.Module, device) -> tuple:
     return target, target
 
 
+@load_call()  # where this call's check-ins count from is forgotten when it ends (as load_into's)
 def from_pretrained(
     model_cls,
     path: "str | os.PathLike",
@@ -576,6 +578,12 @@ def from_pretrained(
                                 fsdp=fully_shard_blocks(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
     """
     group = Group(_default_group(process_group))
+    try:
+        # load_into's check-in counts from here: rank 0's download, the build and ``fsdp`` come
+        # first (minutes for a large model), and may outlast the others' arrival_timeout
+        begin(load_groups(group.group if group.active else None, None, not group.active))
+    except ValueError:
+        pass  # load_into refuses the same groups, and tells the other ranks
     model, source = _prepare(model_cls, path, config, group, dtype, hub_kwargs, trust_pickle, config_kwargs)
     # Judged the Hugging Face way here; what it lets through (ignored tensors, computed
     # buffers) load_into must skip instead of refusing, and it still checks every shape.

@@ -85,7 +85,7 @@ class LoadedCheckpoint:
 # --------------------------------------------------------------------------- verbs
 
 
-def _groups(process_group, model_parallel_group, no_dist: bool = False) -> tuple:
+def load_groups(process_group, model_parallel_group, no_dist: bool = False) -> tuple:
     """(local) The groups a load runs over, by torch's convention (as
     ``torch.distributed.checkpoint`` has it): ``process_group=None`` is the default group
     when ``torch.distributed`` is initialized, so that a plain ``load_state_dict(path)``
@@ -125,7 +125,7 @@ def _tell_failed(error: BaseException, process_group, model_parallel_group, no_d
             if mesh is not None and mesh.ndim == 1:
                 process_group = mesh.get_group()
     try:
-        groups = list(_groups(process_group, model_parallel_group))
+        groups = list(load_groups(process_group, model_parallel_group))
     except Exception:  # noqa: BLE001  (the arguments were what failed: each group that can be built)
         groups = []
         for g, role in ((dist.group.WORLD if process_group is None else process_group, "data-parallel"),
@@ -200,7 +200,7 @@ def load_checkpoint(
         opts = Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                         trust_pickle=trust_pickle, qkv=qkv, rules=rules, dtype=dtype, progress=progress,
                         arrival_timeout=arrival_timeout)
-        dp, mp = _groups(process_group, model_parallel_group, no_dist)
+        dp, mp = load_groups(process_group, model_parallel_group, no_dist)
         begin((dp, mp))  # this call's check-ins are counted from here (_begun.begin)
     except BaseException as e:
         _tell_failed(e, process_group, model_parallel_group, no_dist, timeout=arrival_timeout)
@@ -336,7 +336,7 @@ def _prepare_into(module, process_group, model_parallel_group, strategy, device,
     opts = Options(strategy=strategy, bucket_mb=bucket_mb, chunk_mb=chunk_mb, verify=verify,
                     trust_pickle=trust_pickle, qkv=qkv, rules=rules, progress=progress,
                     arrival_timeout=arrival_timeout)
-    dp, mp = _groups(process_group, model_parallel_group, no_dist)
+    dp, mp = load_groups(process_group, model_parallel_group, no_dist)
     begin((dp, mp))  # before the optimizer's folder is read: this call's check-ins count from here
     return entries, process_group, device, opts, dp, mp
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from ._settings import from_env
 from ._storage import is_url
 
-__all__ = ["node_key", "page_cache_view"]
+__all__ = ["node_key", "page_cache_view", "launched_alone"]
 
 
 def node_key(explicit: Optional[str] = None) -> str:
@@ -29,6 +29,16 @@ def node_key(explicit: Optional[str] = None) -> str:
     if group is not None and os.environ.get("LOCAL_WORLD_SIZE"):
         return f"{socket.gethostname()}/node{group}"
     return socket.gethostname()
+
+
+def launched_alone() -> bool:
+    """(local) Whether no launcher says it started other processes on this host beside this
+    one (torchrun, Open MPI, Slurm, MPICH/Intel MPI each say how many they started there): where one did, each may be loading the same files "alone" (``no_dist=True``, no
+    process group), and a page cache they share must stay theirs to share."""
+    sizes = (os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"),
+             os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("MPI_LOCALNRANKS"))
+    # (Slurm writes "4" or, for uneven nodes, "4(x2),3": the first count is enough to know)
+    return all((raw or "").strip().split("(")[0].split(",")[0] in ("1", "") for raw in sizes)
 
 
 # Filesystems whose reads go through the kernel's page cache, which every process of a host

@@ -41,6 +41,7 @@ from . import _header, _storage
 from ._dcp_items import chunk_tensor, data_spans, vouched_spans
 from ._errors import CheckpointLayoutError
 from ._header import read_header
+from ._pagecache import Residency
 from ._settings import LOAD, Settings, from_env
 from ._zip import check_deflated, file_kind, stat_key, zip_index
 
@@ -175,16 +176,21 @@ class RangeReader:
     straight into the destination (a piece's aligned middle; the bytes around it the
     ordinary way), through a page-aligned bounce buffer per thread for pieces under 1 MiB
     (cold reads then skip the page cache; files where the filesystem refuses it are read
-    the ordinary way).
+    the ordinary way). ``alone=True`` (the reader of a load that is its files' only reader)
+    with ``$METASEQ_ONELOAD_O_DIRECT=auto`` (``direct`` not passed) chooses per piece of
+    1 MiB or more: O_DIRECT where the page cache holds under half of its pages (:class:`._pagecache.Residency`),
+    ``preadv`` from the cache where it holds more. Other readers never choose it: ranks of a
+    node that read the same bytes share them through the cache, which O_DIRECT would bypass.
     What is not passed comes from ``settings`` (a verb's, read once),
     else from the environment (:func:`._settings.from_env`:
     ``$METASEQ_ONELOAD_READ_THREADS`` (8), ``$METASEQ_ONELOAD_READ_SPLIT_MB`` (16),
-    ``$METASEQ_ONELOAD_O_DIRECT`` (off)); ``read_threads=1`` is the serial reader.
+    ``$METASEQ_ONELOAD_O_DIRECT`` (off; 1 always; auto: the choice above));
+    ``read_threads=1`` is the serial reader.
     """
 
     def __init__(self, *, chunk_bytes: int = 64 << 20, trust_pickle: bool = False,
                  read_threads: Optional[int] = None, split_bytes: Optional[int] = None,
-                 direct: Optional[bool] = None, settings: Optional[Settings] = None):
+                 direct: Optional[bool] = None, settings: Optional[Settings] = None, alone: bool = False):
         self.chunk_bytes = max(int(chunk_bytes), 1 << 16)
         self.trust_pickle = trust_pickle
         self.bytes_read = 0
@@ -199,9 +205,13 @@ class RangeReader:
         self.read_threads = int(read_threads)
         # whole MiB: every cut lies on a page (and O_DIRECT block) boundary of the file
         self.split_bytes = max(_MIN_PIECE, int(split_bytes) // _MIN_PIECE * _MIN_PIECE)
-        self.direct = settings.o_direct if direct is None else bool(direct)
+        chosen = settings.o_direct if direct is None else bool(direct)
+        self.direct = bool(chosen)
+        # per piece, from what the page cache holds: only for a file's only reader
+        self._residency = Residency() if chosen is None and alone else None
         self._fds: dict[str, int] = {}
         self._direct_fds: dict = {}  # path -> O_DIRECT descriptor, or None where refused
+        self._random: set = set()  # paths whose ordinary descriptor reads no further than asked
         self._objects: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._spans: dict = {}
@@ -219,8 +229,9 @@ class RangeReader:
         disk, more on network filesystems) would fetch what the storage also serves them."""
         with self._lock:
             self.readahead = bool(on)
-            for fd in self._fds.values():
-                self._advise(fd)
+            for path, fd in self._fds.items():
+                if path not in self._random:  # (read with O_DIRECT: stays without read-ahead)
+                    self._advise(fd)
 
     def _advise(self, fd: int) -> None:
         if hasattr(os, "posix_fadvise"):
@@ -240,7 +251,10 @@ class RangeReader:
             self._pool = None
         for fd in list(self._fds.values()) + [d for d in self._direct_fds.values() if d is not None]:
             os.close(fd)
+        if self._residency is not None:
+            self._residency.close()
         self._fds.clear()
+        self._random.clear()
         self._direct_fds.clear()
         self._objects.clear()
         self._spans.clear()
@@ -248,16 +262,19 @@ class RangeReader:
 
     def _fd(self, path: str) -> int:
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError as e:
-                    raise CheckpointLayoutError(f"{path}: cannot open the file ({e.strerror or e}).") from e
-                if not self.readahead:
-                    self._advise(fd)
-                self._fds[path] = fd
-            return fd
+            return self._fd_locked(path)
+
+    def _fd_locked(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointLayoutError(f"{path}: cannot open the file ({e.strerror or e}).") from e
+            if not self.readahead:
+                self._advise(fd)
+            self._fds[path] = fd
+        return fd
 
     def _direct_fd(self, path: str) -> Optional[int]:
         """An O_DIRECT descriptor of ``path``, or None where the platform or filesystem
@@ -272,6 +289,18 @@ class RangeReader:
                         fd = None
                 self._direct_fds[path] = fd
             return self._direct_fds[path]
+
+    def _no_readahead(self, path: str) -> None:
+        """The kernel reads no further than asked on ``path``'s ordinary descriptor once a
+        piece of it is read with O_DIRECT: the pieces it reads that way are the bytes around an
+        aligned middle and short reads, whose read-ahead (8 MiB on a virtio disk) would fetch
+        the neighbouring pieces into the cache as well as the O_DIRECT reads do."""
+        if path not in self._random:
+            with self._lock:
+                if path not in self._random and hasattr(os, "posix_fadvise"):
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(self._fd_locked(path), 0, 0, os.POSIX_FADV_RANDOM)
+                self._random.add(path)
 
     def _give_up_direct(self, path: str, fd: int) -> None:
         with self._lock:
@@ -307,9 +336,13 @@ class RangeReader:
         file ends first."""
         if _storage.is_url(path):  # ranged requests, written into ``view`` as they arrive
             return _storage.read_into(path, offset, view)
-        if self.direct:
+        # chosen: only where O_DIRECT lands in place (a bounce buffer's copy is the cache's cost)
+        chosen = (not self.direct and self._residency is not None and self._in_place and len(view) >= _MIN_PIECE
+                  and self._residency.held(path, self._fd(path), offset, len(view)) < 0.5)
+        if self.direct or chosen:
             dfd = self._direct_fd(path)
             if dfd is not None:
+                self._no_readahead(path)
                 try:
                     got = None
                     if self._in_place:
@@ -319,7 +352,10 @@ class RangeReader:
                             if e.errno != errno.EINVAL:
                                 raise
                             self._in_place = False  # the device wants more than 512-byte alignment
-                    return self._read_direct(dfd, offset, view) if got is None else got
+                    if got is not None:
+                        return got
+                    if self.direct:
+                        return self._read_direct(dfd, offset, view)
                 except OSError as e:
                     if e.errno != errno.EINVAL:  # alignment the device wants is not ours
                         raise

@@ -16,7 +16,12 @@ already fetched) and answers the engine's os-like calls; this module only asks t
   long body, or redirects) at once, without retries; other protocols' answers are checked
   for their exact length (fsspec shows nothing else of them); a read of a pinned version
   sends its ETag (``If-Match``) and its VersionId, and a store that holds another version
-  answers :class:`RemoteObjectChangedError`.
+  answers :class:`RemoteObjectChangedError`;
+* the largest single ranged request (:func:`part_size_for`): what the user set
+  (``METASEQ_ONELOAD_REMOTE_PART_MB``), else, on S3, sized from what this process measured
+  of the endpoint's ranged GETs (time to first byte and streaming rate, median of the last
+  few): ``4 * ttfb * rate`` clamped to 8 .. 32 MiB, 8 MiB until three answers were timed.
+  It only decides how a read is cut into requests: every answer is checked as above.
 
 The settings (``METASEQ_ONELOAD_REMOTE_*``, ``METASEQ_ONELOAD_STORAGE_OPTIONS``) come from
 :func:`._settings.from_env`, read at each request, so that every entry point (the API, the
@@ -26,12 +31,14 @@ implementation (s3fs, gcsfs, adlfs, aiohttp) are imported only when a URL is giv
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import json
 import os
 import random
 import re
+import statistics
 import threading
 import time
 import weakref
@@ -42,7 +49,8 @@ from ._errors import MissingRemoteExtraError, OneloadError, RemoteObjectChangedE
 from ._settings import REMOTE, Settings, from_env, variable
 
 __all__ = ["RemoteSettings", "settings", "stats", "reset_stats", "Stat", "stat_of", "etag_protocol", "filesystem",
-           "url_of", "invalidate_listings", "request", "changed", "fetch_range", "fetch_into", "pool"]
+           "url_of", "invalidate_listings", "request", "changed", "fetch_range", "fetch_into", "pool",
+           "PART_DEFAULT", "PART_CAP", "part_size", "part_size_for", "estimates", "reset_estimates"]
 
 # Errors no retry can cure: a missing object, a refused credential, a bad argument.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
@@ -56,11 +64,14 @@ class RemoteSettings:
     concurrency: int = 16  # requests in flight per process
     retries: int = 5  # retries per request after the first try
     backoff_s: float = 0.2  # first backoff; doubled per retry, capped at 10 s, with jitter
-    part_bytes: int = 8 << 20  # largest single ranged request
+    # largest single ranged request: None sizes it from what the store answers (S3:
+    # :func:`part_size_for`, PART_DEFAULT .. PART_CAP); a value (the user set it) is used as it is
+    part_bytes: Optional[int] = None
     storage_options: str = "{}"  # JSON, as in $METASEQ_ONELOAD_STORAGE_OPTIONS
 
     def __post_init__(self):
-        if self.concurrency < 1 or self.retries < 0 or self.backoff_s < 0 or self.part_bytes < (64 << 10):
+        if self.concurrency < 1 or self.retries < 0 or self.backoff_s < 0 or (
+                self.part_bytes is not None and self.part_bytes < (64 << 10)):
             raise ValueError(f"invalid remote storage settings {self}: concurrency >= 1, retries >= 0, "
                              "backoff >= 0, part >= 64 KiB")
 
@@ -79,7 +90,8 @@ def settings(given: Optional[Settings] = None) -> RemoteSettings:
     else from the environment now (:func:`._settings.from_env`)."""
     s = given or from_env(only=REMOTE)
     return RemoteSettings(concurrency=s.remote_concurrency, retries=s.remote_retries, backoff_s=s.remote_backoff,
-                          part_bytes=int(s.remote_part_mb * (1 << 20)), storage_options=s.storage_options)
+                          part_bytes=None if s.remote_part_mb is None else int(s.remote_part_mb * (1 << 20)),
+                          storage_options=s.storage_options)
 
 
 class _Stats:
@@ -202,6 +214,107 @@ def request(url: str, what: str, fn, *args, **kwargs):
         time.sleep(min(10.0, s.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2))
 
 
+# --------------------------------------------------------------------------- part size
+# A ranged GET costs a fixed wait before its first byte (TTFB) plus its length over the
+# connection's rate. Parts much shorter than ttfb * rate spend most of their time waiting
+# (moto behind the tests' proxy: ~0.3 s per GET whatever its length, so 8 MiB parts made a
+# 1 GiB FSDP2 load 264 GETs and 10 s slower than dcp.load's 156); parts much longer only
+# cost memory and retry time. A part of K * ttfb * rate bytes keeps the wait at most
+# 1/(K+1) of its request's time (20%). Real S3 (TTFB 10-50 ms, 50-100 MB/s per connection)
+# gives 2-20 MB: the 8 MiB parts commonly advised, a little larger on a slow-to-answer store.
+
+PART_DEFAULT = 8 << 20  # before anything was measured, and the least the rule gives
+# The most: a failed part is fetched again whole (at 50 MB/s, 0.7 s), and a merged span
+# (:func:`._storage.expecting`, 32 MiB) is then one request; at most HELD spans are held
+# per filling thread whatever the part size, so memory is what it was with 8 MiB parts.
+PART_CAP = 32 << 20
+_PACE_K = 4
+_PACE_KEEP = 9  # the last answers an estimate is the median of: one slow answer moves nothing
+_PACE_MIN = 3  # answers measured before the rule replaces the default
+# A body shorter than one piece arrives in one read: its time says nothing of the rate.
+_RATE_MIN_BYTES = 1 << 20
+
+
+def part_size(ttfb_s: Optional[float], rate_bps: Optional[float], floor: int = PART_DEFAULT,
+              cap: int = PART_CAP) -> int:
+    """The part size for a store that answers a GET's first byte after ``ttfb_s`` seconds and
+    then streams ``rate_bps`` bytes a second: ``K * ttfb * rate`` (K = 4: the wait is at most
+    a fifth of a request's time), in whole MiB, clamped to ``floor .. cap``; ``floor`` where
+    either is not known yet."""
+    if ttfb_s is None or rate_bps is None:
+        return floor
+    want = int(min(float(cap), _PACE_K * ttfb_s * rate_bps)) >> 20 << 20
+    return max(floor, min(cap, want))
+
+
+class _Pace:
+    """What each endpoint's answers to ranged GETs took (per process: a forked child starts
+    afresh): the time to the answer's headers (its first byte, for these purposes) and the
+    rate its body streamed at, the last ``_PACE_KEEP`` of each. Bounded: 64 endpoints of 18
+    numbers. Estimates only choose how reads are cut into requests, never what is accepted."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_key: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._by_key.clear()
+
+    def record(self, key: tuple, nbytes: int, ttfb_s: float, body_s: float) -> None:
+        with self._lock:
+            ttfbs, rates = self._by_key.get(key) or (collections.deque(maxlen=_PACE_KEEP),
+                                                     collections.deque(maxlen=_PACE_KEEP))
+            self._by_key[key] = (ttfbs, rates)
+            self._by_key.move_to_end(key)
+            while len(self._by_key) > 64:
+                self._by_key.popitem(last=False)
+            ttfbs.append(max(0.0, ttfb_s))
+            if nbytes >= _RATE_MIN_BYTES:
+                # (the whole body already in the socket's buffer: as fast as memory copies)
+                rates.append(nbytes / max(body_s, 1e-4))
+
+    def estimate(self, key: tuple) -> tuple:
+        """(median TTFB in seconds, median rate in bytes/s), None for either with fewer than
+        ``_PACE_MIN`` answers measured."""
+        with self._lock:
+            ttfbs, rates = self._by_key.get(key) or ((), ())
+            return (statistics.median(ttfbs) if len(ttfbs) >= _PACE_MIN else None,
+                    statistics.median(rates) if len(rates) >= _PACE_MIN else None)
+
+
+_PACE = _Pace()
+
+
+def reset_estimates() -> None:
+    """(local) Forget what every endpoint's answers took: parts start at PART_DEFAULT again."""
+    _PACE.reset()
+
+
+def _endpoint(url: str, s: RemoteSettings) -> tuple:
+    # what tells stores apart: the protocol and its options (endpoint_url, region, ...)
+    protocol = url.split("://", 1)[0].lower()
+    return os.getpid(), protocol, json.dumps(s.options_for(protocol), sort_keys=True)
+
+
+def estimates(url: str) -> tuple:
+    """(local) (TTFB s, rate B/s) measured so far on ``url``'s endpoint (None: not yet)."""
+    return _PACE.estimate(_endpoint(url, settings()))
+
+
+def part_size_for(url: str, s: Optional[RemoteSettings] = None) -> int:
+    """(local) The largest single ranged request for a read of ``url`` now: the size the user
+    set (``METASEQ_ONELOAD_REMOTE_PART_MB``) exactly; else, on S3, :func:`part_size` of what
+    this process measured of the endpoint's answers (PART_DEFAULT until it has); else (other
+    protocols, whose answers fsspec hands over whole: no first byte to time) PART_DEFAULT."""
+    s = s or settings()
+    if s.part_bytes is not None:
+        return s.part_bytes
+    if not etag_protocol(url):
+        return PART_DEFAULT
+    return part_size(*_PACE.estimate(_endpoint(url, s)))
+
+
 @dataclass(frozen=True)
 class Stat:
     size: int
@@ -255,7 +368,8 @@ def fetch_into(url: str, offset: int, view: memoryview, st: Stat) -> None:
     if etag_protocol(url) and hasattr(fs, "_call_s3"):
         from fsspec.asyn import sync
 
-        request(url, what, sync, fs.loop, _s3_ranged, fs, url, path, offset, view, st)
+        ttfb_s, body_s = request(url, what, sync, fs.loop, _s3_ranged, fs, url, path, offset, view, st)
+        _PACE.record(_endpoint(url, settings()), n, ttfb_s, body_s)
     else:
         # fsspec's other protocols show the bytes only, not the answer's status or range:
         # their length is what can be checked
@@ -289,10 +403,11 @@ def _client_error(e: BaseException):
 _BODY_PIECE = 1 << 20
 
 
-async def _s3_ranged(fs, url: str, path: str, offset: int, view: memoryview, st: Stat) -> None:
+async def _s3_ranged(fs, url: str, path: str, offset: int, view: memoryview, st: Stat) -> tuple:
     """One GetObject of bytes ``offset .. offset+len(view)`` of version ``st``, written into
     ``view``: nothing of the body is read (past the checks of the headers) unless the answer
-    is the range asked for, of that version; one of other than exactly that many bytes raises."""
+    is the range asked for, of that version; one of other than exactly that many bytes raises.
+    Returns what the answer took: (seconds to its headers, seconds its body streamed)."""
     n = len(view)
     bucket, key, vers = fs.split_path(path)
     kw = {"Range": f"bytes={offset}-{offset + n - 1}"}
@@ -302,6 +417,7 @@ async def _s3_ranged(fs, url: str, path: str, offset: int, view: memoryview, st:
         kw["VersionId"] = st.version_id or vers
     await fs.set_session()
     await _hook(fs, bucket)
+    t0 = time.monotonic()
     try:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
     except Exception as e:  # noqa: BLE001 - what the store's refusal says decides
@@ -323,6 +439,7 @@ async def _s3_ranged(fs, url: str, path: str, offset: int, view: memoryview, st:
             raise _wrong(url, offset, n, f"redirected it (HTTP {status or code} to {where}); a ranged read "
                          "must be answered where it was sent, what a redirect points to is not used") from None
         raise
+    t1 = time.monotonic()
     body = resp["Body"]
     try:
         meta = resp.get("ResponseMetadata") or {}
@@ -360,6 +477,7 @@ async def _s3_ranged(fs, url: str, path: str, offset: int, view: memoryview, st:
             got += len(chunk)
         if got != n:
             raise _wrong(url, offset, n, f"sent {got}{'+' if got > n else ''} bytes; asked for {n}")
+        return t1 - t0, time.monotonic() - t1
     finally:
         body.close()
 

@@ -17,7 +17,9 @@ variable                                default    what it sets
 ``METASEQ_ONELOAD_SHM``                 1          0: a node's ranks exchange through the
                                                    network, not a shared-memory segment
 ``METASEQ_ONELOAD_SHM_DIR``             /dev/shm   where a node's shared-memory segments live
-``METASEQ_ONELOAD_O_DIRECT``            0          1: local reads bypass the page cache
+``METASEQ_ONELOAD_O_DIRECT``            0          1: local reads bypass the page cache;
+                                                   auto: a one-process load reads with
+                                                   O_DIRECT the pieces the cache lacks
 ``METASEQ_ONELOAD_READ_THREADS``        (derived)  threads reading one file's ranges: 8, or 1
                                                    for a load's rank reading under 32 MiB
 ``METASEQ_ONELOAD_READ_SPLIT_MB``       16         a read larger than this is split over them
@@ -25,7 +27,8 @@ variable                                default    what it sets
 ``METASEQ_ONELOAD_REMOTE_RETRIES``      5          retries per request after the first try
 ``METASEQ_ONELOAD_REMOTE_BACKOFF``      0.2        first backoff in seconds; doubled per retry,
                                                    capped at 10 s, with jitter
-``METASEQ_ONELOAD_REMOTE_PART_MB``      8          largest single ranged request, MiB
+``METASEQ_ONELOAD_REMOTE_PART_MB``      (derived)  largest single ranged request, MiB; unset:
+                                                   sized from the store's answers (8-32)
 ``METASEQ_ONELOAD_STORAGE_OPTIONS``     {}         JSON fsspec options, for all or per protocol
 ``METASEQ_ONELOAD_INDEX_KEY``           (file)     the file holding the key that signs our index
                                                    files (``~/.cache/metaseq_oneload/index-key``)
@@ -65,7 +68,8 @@ class Settings:
     node: Optional[str] = None
     shm: bool = True
     shm_dir: str = "/dev/shm"
-    o_direct: bool = False
+    # None ("auto"): a load with no other rank chooses O_DIRECT per piece from the page cache
+    o_direct: Optional[bool] = False
     # None: 8 threads, and the serial reader for a load's rank that reads little (_engine);
     # a value set in the environment is taken as it is.
     read_threads: Optional[int] = None
@@ -73,7 +77,9 @@ class Settings:
     remote_concurrency: int = 16
     remote_retries: int = 5
     remote_backoff: float = 0.2
-    remote_part_mb: float = 8.0
+    # None: sized from what the store answers (_remote.part_size_for: 8 MiB, up to 32 MiB
+    # where requests cost more than their bytes); a value set in the environment is taken as it is.
+    remote_part_mb: Optional[float] = None
     storage_options: str = "{}"
     index_key: str = ""
 
@@ -93,7 +99,7 @@ _FIELDS = {
     "node": ("NODE", "text"),
     "shm": ("SHM", "flag_on"),
     "shm_dir": ("SHM_DIR", "text"),
-    "o_direct": ("O_DIRECT", "flag"),
+    "o_direct": ("O_DIRECT", "flag_auto"),
     "read_threads": ("READ_THREADS", "count"),
     "read_split_mb": ("READ_SPLIT_MB", "mb"),
     "remote_concurrency": ("REMOTE_CONCURRENCY", "count"),
@@ -146,11 +152,14 @@ def _parse(field: str, raw: str):
                               '{"anon": true}, or per protocol, {"s3": {"endpoint_url": "..."}}). Set it so, '
                               "or unset it for the default.")
         return raw
-    if kind in ("flag", "flag_on"):
+    if kind in ("flag", "flag_on", "flag_auto"):
         low = raw.lower()
         if low in _TRUE or low in _FALSE:
             return low in _TRUE
-        raise OptionError(f"${var}={raw!r}: expected 1 or 0 (also true/false, yes/no, on/off). "
+        if kind == "flag_auto" and low == "auto":
+            return None
+        also = " or auto" if kind == "flag_auto" else ""
+        raise OptionError(f"${var}={raw!r}: expected 1 or 0 (also true/false, yes/no, on/off){also}. "
                           f"Set it to one of those, or unset it for the default.")
     what, ok = _KINDS[kind]
     try:

@@ -9,11 +9,14 @@ knows of each object:
 
 * ranged reads only: a header read takes the archive's tail, its central directory, one
   local header per record and the ``data.pkl`` record, never a tensor's bytes; a data read
-  takes exactly the bytes a rank needs, one request per read up to ``part_bytes`` (a
+  takes exactly the bytes a rank needs, one request per read up to the part size (a
   longer read in parts of that size, fetched concurrently), each answer written into the
   destination's memory as it arrives (:func:`read_into`); reads a fill announces
   (:func:`expecting`) that lie close together in one object share requests: one ranged
-  read per merged span (of at most ``span_bytes``), in parts of ``part_bytes``;
+  read per merged span (of at most ``span_bytes``), in parts of the part size. The part
+  size is ``METASEQ_ONELOAD_REMOTE_PART_MB`` where set, else sized from the endpoint's
+  measured answers (:func:`._remote.part_size_for`: 8 MiB, up to 32 MiB on a store whose
+  requests cost more than their bytes);
 * header bytes already fetched are shared between our zip parser and torch's reader of the
   same archive (:class:`RemoteFile`), and small reads that follow each other share requests;
 * each object pinned from the first time it is seen (its size and ETag, and its VersionId
@@ -42,8 +45,9 @@ import time
 from typing import Any, Optional
 
 from ._errors import RemoteObjectChangedError
-from ._remote import (RemoteSettings, Stat, changed, etag_protocol, fetch_into, fetch_range, filesystem,
-                      invalidate_listings, pool, request, reset_stats, settings, stat_of, stats, url_of)
+from ._remote import (PART_CAP, PART_DEFAULT, RemoteSettings, Stat, changed, etag_protocol, fetch_into,
+                      fetch_range, filesystem, invalidate_listings, part_size_for, pool, request, reset_estimates,
+                      reset_stats, settings, stat_of, stats, url_of)
 
 __all__ = ["is_url", "RemoteSettings", "settings", "stats", "reset_stats", "forget", "expecting"]
 
@@ -56,7 +60,9 @@ def is_url(path: Any) -> bool:
 
 
 def forget() -> None:
-    """Drop cached stats, pins, header bytes and read-ahead windows: the next read asks the store."""
+    """Drop cached stats, pins, header bytes and read-ahead windows, and what the stores'
+    answers took (parts start at 8 MiB again): the next read asks the store afresh."""
+    reset_estimates()
     _CACHE.clear()
     _READ_AHEAD.clear()
     _SPANS.clear()
@@ -407,15 +413,16 @@ class _Span:
 class _Spans:
     """Reads of one object that a fill announces (:func:`expecting`) and that lie close
     together (gaps of at most ``GAP``, and at most 1/8 of the bytes wanted) are served from
-    one ranged read per merged span of at most ``span_bytes`` (cut into ``part_bytes``
-    parts fetched concurrently, each part's answer checked as every read's is), fetched when
-    the first of them is read, kept until the last has been copied out. The gap bytes are
-    fetched (and counted as fetched) and dropped. Memory beyond the destinations, for a fill
-    on one thread (as :func:`._execute.fill_all` fills an object's wants): at most ``HELD``
-    span buffers at once, the one being fetched included, so ``HELD * max(span_bytes,
-    part_bytes)`` (64 MiB with the defaults) plus the pieces of answers in flight; a span
-    whose buffer had to go before its last read (reads hopping between more than ``HELD``
-    spans) serves the rest of its reads alone, each its own request."""
+    one ranged read per merged span of at most ``span_bytes`` (cut into parts of
+    :func:`._remote.part_size_for`, fetched concurrently, each part's answer checked as
+    every read's is), fetched when the first of them is read, kept until the last has been
+    copied out. The gap bytes are fetched (and counted as fetched) and dropped. Memory
+    beyond the destinations, for a fill on one thread (as :func:`._execute.fill_all` fills
+    an object's wants): at most ``HELD`` span buffers at once, the one being fetched
+    included, so ``HELD * span_bytes`` (64 MiB unless a part size above 32 MiB is set) plus
+    the pieces of answers in flight; a span whose buffer had to go before its last read
+    (reads hopping between more than ``HELD`` spans) serves the rest of its reads alone,
+    each its own request."""
 
     GAP = 1 << 20
     HELD = 2
@@ -426,7 +433,9 @@ class _Spans:
         self._held: "collections.OrderedDict[int, _Span]" = collections.OrderedDict()
 
     def clear(self) -> None:
-        with self._lock:
+        with self._lock:  # as drop() does: a span being fetched now does not keep its buffer
+            for sp in [sp for _, spans in self._by_url.values() for sp in spans] + list(self._held.values()):
+                sp.dead, sp.buf = True, None
             self._by_url.clear()
             self._held.clear()
 
@@ -533,22 +542,24 @@ def expecting(ranges):
     nbytes); local paths are ignored) that lie close together share requests (see
     :class:`_Spans`): a fill announces what it is about to read. Nothing is fetched
     until a read asks; what was not read by the end is let go."""
-    made = _SPANS.add(ranges, max(settings().part_bytes, _SPAN_BYTES))
+    # (a span is at least one part: a part size set above 32 MiB makes spans that long)
+    made = _SPANS.add(ranges, max(settings().part_bytes or PART_DEFAULT, _SPAN_BYTES))
     try:
         yield
     finally:
         _SPANS.remove(made)
 
 
-_SPAN_BYTES = 32 << 20  # the longest merged read (at least one part)
+_SPAN_BYTES = PART_CAP  # the longest merged read (at least one part): one request when measured
 
 
 def read_into(url: str, offset: int, view: memoryview) -> int:
-    """(local) Fill ``view`` with the object's bytes from ``offset``: parts of at most
-    ``part_bytes`` fetched concurrently (within the process-wide bound), each written into
-    its place as it arrives; reads announced together share requests (:class:`_Spans`),
-    and so do small reads that follow each other (:class:`_ReadAhead`). Returns the bytes
-    written (fewer only where the object ends)."""
+    """(local) Fill ``view`` with the object's bytes from ``offset``: parts of at most the
+    part size (:func:`._remote.part_size_for`) fetched concurrently (within the
+    process-wide bound), each written into its place as it arrives; reads announced
+    together share requests (:class:`_Spans`), and so do small reads that follow each
+    other (:class:`_ReadAhead`). Returns the bytes written (fewer only where the object
+    ends)."""
     n = len(view)
     if n:
         got = _SPANS.read(url, offset, view)
@@ -566,10 +577,12 @@ def read_into(url: str, offset: int, view: memoryview) -> int:
 
 
 def _read_parts(url: str, offset: int, view: memoryview) -> int:
-    """``view`` from ``offset``, in parts of at most ``part_bytes`` fetched concurrently."""
+    """``view`` from ``offset``, in parts of at most the part size (chosen once per call)
+    fetched concurrently."""
     s = settings()
     n = len(view)
-    parts = [(a, min(n, a + s.part_bytes)) for a in range(0, n, s.part_bytes)]
+    size = part_size_for(url, s)
+    parts = [(a, min(n, a + size)) for a in range(0, n, size)]
 
     def one(a: int, b: int) -> int:
         return _read_range_into(url, offset + a, view[a:b])

@@ -8,6 +8,8 @@ another range than asked (206 with a ``Content-Range`` that says so), sends a sh
 long body under the right ``Content-Range``, or redirects; and it can replace an object in
 the store after a number of reads of it (``/__proxy__/swap``), through the store's own API,
 so that a load sees the object change between its header read and its data read.
+And it can make every ranged GET slow to answer (``/__proxy__/delay``), as a distant store
+is: its answer held back that long before its first byte.
 
 The proxy measures bytes independently of the code under test: the body bytes of every
 GET it relays, per object.
@@ -26,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -64,6 +67,7 @@ class _Counters:
         self.whole_as_200 = 0  # whole-object ranges answered 200 (mode whole_as_200)
         self.swap = None  # (key, ranged GETs before the swap, local file with the new bytes)
         self.swapped = 0
+        self.delay_s = 0.0  # each ranged GET's answer held back this long before its first byte
 
 
 class _Proxy(http.server.BaseHTTPRequestHandler):
@@ -102,6 +106,7 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
                     mode = c.mode
                     c.mode_left -= 1
                     c.misbehaved += 1
+            delay = c.delay_s if ranged else 0.0
             swap = None
             if ranged and c.swap is not None and c.swap[0] == key:
                 if c.swap[1] > 0:
@@ -149,6 +154,8 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
                 status, drop = 200, {"content-range"}
                 with c.lock:
                     c.whole_as_200 += 1
+        if delay > 0:
+            time.sleep(delay)
         if self.command == "GET":
             with c.lock:
                 c.body_bytes += len(data)
@@ -185,7 +192,7 @@ def _control(handler: _Proxy, parsed) -> None:
     """/__proxy__/counters (GET: JSON), /__proxy__/reset, /__proxy__/fail?n=K,
     /__proxy__/misbehave?mode=M[&key=/bucket/key][&after=N][&n=K] (M: ignore_range,
     other_range, short_body, long_body, redirect, whole_as_200; an empty M stops),
-    /__proxy__/swap?key=/bucket/key&after=N&src=LOCAL_FILE."""
+    /__proxy__/swap?key=/bucket/key&after=N&src=LOCAL_FILE, /__proxy__/delay?s=SECONDS."""
     c = handler.counters
     q = {k: v[0] for k, v in urllib.parse.parse_qs(parsed.query).items()}
     with c.lock:
@@ -198,6 +205,8 @@ def _control(handler: _Proxy, parsed) -> None:
             c.mode_after, c.mode_left = int(q.get("after", 0)), int(q.get("n", 10 ** 9))
         elif parsed.path.endswith("/swap"):
             c.swap = (q["key"], int(q.get("after", 0)), q["src"])
+        elif parsed.path.endswith("/delay"):
+            c.delay_s = float(q.get("s", 0))
         body = json.dumps({k: v for k, v in vars(c).items() if k != "lock"}).encode()
     handler.send_response(200)
     handler.send_header("Content-Type", "application/json")
@@ -279,6 +288,11 @@ class S3Endpoint:
         proxy relays the ranged GET of it that follows ``after`` more of them."""
         q = urllib.parse.urlencode({"key": key, "after": after, "src": str(src)})
         self._ctl(f"swap?{q}")
+
+    def delay(self, seconds: float) -> None:
+        """Hold each ranged GET's answer back ``seconds`` before its first byte (0: at once),
+        as a store far away or busy answers; ``reset`` ends it too."""
+        self._ctl(f"delay?s={float(seconds)}")
 
     def stop(self):
         if self.proc.poll() is None:

@@ -167,9 +167,10 @@ def _runs(size: tuple, offsets: tuple, sizes: tuple) -> list:
     return out
 
 
-def _pieces(meta: DcpMetadata, fqn: str, t: TensorEntry, folder: str, files: dict) -> list:
+def _pieces(meta: DcpMetadata, fqn: str, t: TensorEntry, folder: str, files: dict, versions: dict) -> list:
     """(offsets, sizes, file, byte offset of its elements, Extent key) of each chunk, each
-    item checked (:func:`.._dcp_items.chunk_data_offset`)."""
+    item checked (:func:`.._dcp_items.chunk_data_offset`; ``versions``: the files' versions
+    this description took)."""
     where = f"{meta.path}: tensor {fqn}"
     out = []
     for c in t.chunks:
@@ -185,7 +186,7 @@ def _pieces(meta: DcpMetadata, fqn: str, t: TensorEntry, folder: str, files: dic
         path = _file_of(folder, item.relative_path, where, files)
         if math.prod(c.sizes) == 0:
             continue
-        data = chunk_data_offset(path, fqn, item, t.dtype, c.offsets, c.sizes)
+        data = chunk_data_offset(path, fqn, item, t.dtype, c.offsets, c.sizes, versions)
         out.append((c.offsets, c.sizes, path, data, chunk_key(fqn, c.offsets)))
     return out
 
@@ -306,9 +307,9 @@ def describe(path: str, *, trust_pickle: bool = False) -> CheckpointLayout:
     return _dcp_layout(folder, metadata_of(folder), trust_pickle, None)
 
 
-def _stored(meta: DcpMetadata, name: str, t: TensorEntry, folder: str, files: dict) -> StoredTensor:
+def _stored(meta: DcpMetadata, name: str, t: TensorEntry, folder: str, files: dict, versions: dict) -> StoredTensor:
     return StoredTensor(name, 0, t.dtype, t.size, _tiled(f"{meta.path}: tensor {t.fqn}", t.size, t.dtype,
-                                                          _pieces(meta, t.fqn, t, folder, files)))
+                                                          _pieces(meta, t.fqn, t, folder, files, versions)))
 
 
 def _dcp_layout(folder: str, meta: DcpMetadata, trust_pickle: bool, shadows: "Optional[OptimizerShadows]"):
@@ -320,14 +321,15 @@ def _dcp_layout(folder: str, meta: DcpMetadata, trust_pickle: bool, shadows: "Op
             f"{meta.path}: the torch.distributed.checkpoint folder holds no tensors "
             f"({len(meta.values)} non-tensor value(s) only); nothing to load.")
     files: dict = {}
+    versions: dict = {}  # each file's version, taken once (its items are parsed under it)
     _prefetch(meta, [t.fqn for t in model.values()] + list(shadows.tensors if shadows is not None else ()),
-              folder, files)
-    tensors = {name: _stored(meta, name, t, folder, files) for name, t in model.items()}
+              folder, files, versions)
+    tensors = {name: _stored(meta, name, t, folder, files, versions) for name, t in model.items()}
     for name in (shadows.tensors if shadows is not None else {}):
         if name in tensors:
             raise CheckpointLayoutError(f"{meta.path}: the optimizer state tensor {name} has the name of one of the "
                                         "model's tensors; load the model and the optimizer with torch's own loader.")
-        tensors[name] = _stored(meta, name, meta.tensors[name], folder, files)
+        tensors[name] = _stored(meta, name, meta.tensors[name], folder, files, versions)
     layout = _layout(folder, tensors, [p for _, p in sorted(files.items())], "distcp",
                      _notes(meta, container, left, files), trust_pickle)
     if not _storage.is_url(folder):
@@ -341,7 +343,7 @@ def _dcp_layout(folder: str, meta: DcpMetadata, trust_pickle: bool, shadows: "Op
 _BATCH = 64  # items fetched together, then parsed (a batch's bytes stay a few MB in the cache)
 
 
-def _prefetch(meta: DcpMetadata, fqns: list, folder: str, files: dict) -> None:
+def _prefetch(meta: DcpMetadata, fqns: list, folder: str, files: dict, versions: dict) -> None:
     """(local) On an object store, the items of these tensors fetched file by file, a batch
     at a time concurrently (:func:`.._dcp_items.prefetch_items`), and parsed from the cache
     while it holds them. Refuses nothing here: every check runs again, from the parsed
@@ -366,7 +368,7 @@ def _prefetch(meta: DcpMetadata, fqns: list, folder: str, files: dict) -> None:
             prefetch_items(path, [e[4] for e in batch])
             for _, fqn, t, c, item in batch:
                 try:
-                    chunk_data_offset(path, fqn, item, t.dtype, c.offsets, c.sizes)
+                    chunk_data_offset(path, fqn, item, t.dtype, c.offsets, c.sizes, versions)
                 except Exception:  # noqa: BLE001  (raised where _stored meets it)
                     pass
 

@@ -348,15 +348,25 @@ def test_a_destination_without_write_permission_is_a_conversion_error_exit_2(tmp
         before = _hashes(locked)
         locked.chmod(0o555)
         t0 = time.perf_counter()
-        for dst in (locked / "ck", locked / "sub" / "ck"):
-            p = subprocess.run([sys.executable, "-m", "metaseq_oneload", "convert", src, str(dst), "--shards", "2"],
-                               env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
-                               capture_output=True, text=True, timeout=120, preexec_fn=_without_override())
-            assert p.returncode == 2, (p.returncode, p.stderr)
-            assert "Traceback" not in p.stderr, p.stderr
-            assert re.search(rf"convert: error: {re.escape(str(dst.parent))}: cannot (create|write)[^\n]*\(Permission "
-                             r"denied\); permission denied: choose a folder you can write to, or make this one writable "
-                             r"for you\. Nothing was written under a final name\.", p.stderr), p.stderr
+        # Both CLIs side by side: each is a fresh interpreter importing torch, most of the time here.
+        runs = {dst: subprocess.Popen([sys.executable, "-m", "metaseq_oneload", "convert", src, str(dst), "--shards", "2"],
+                                      env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=_without_override())
+                for dst in (locked / "ck", locked / "sub" / "ck")}
+        try:
+            for dst, run in runs.items():
+                _, err = run.communicate(timeout=120)
+                assert run.returncode == 2, (run.returncode, err)
+                assert "Traceback" not in err, err
+                assert re.search(rf"convert: error: {re.escape(str(dst.parent))}: cannot (create|write)[^\n]*\(Permission "
+                                 r"denied\); permission denied: choose a folder you can write to, or make this one "
+                                 r"writable for you\. Nothing was written under a final name\.", err), err
+        finally:  # (one that hung or failed an assertion leaves no sibling running)
+            for run in runs.values():
+                if run.poll() is None:
+                    run.kill()
+                    run.communicate()
         assert time.perf_counter() - t0 < 120
         locked.chmod(0o755)
         assert _hashes(locked) == before and sorted(os.listdir(locked)) == ["keep.pt"]

@@ -94,3 +94,32 @@ def test_a_vouched_file_that_changed_is_parsed_again(tmp_path):
     with open(path, "ab") as f:  # another version of the file: nothing vouched for it
         f.write(b"\0")
     assert _dcp_items.vouched_spans(path) is None
+
+
+def test_the_spans_of_a_file_that_changed_are_dropped_not_kept_beside_the_new_ones(tmp_path):
+    """A long-lived process re-describes a folder whose file is rewritten again and again
+    (a checkpoint saved over in place): one entry for the file, never one per version."""
+    sd = {"a": torch.randn(8, 4), "b": torch.randn(16)}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    _forget_parsed_items()
+    path = mo.inspect(tmp_path / "ck").all_files[0].path
+    for _ in range(4):
+        with open(path, "ab") as f:  # another version of the file
+            f.write(b"\0")
+        assert _dcp_items.vouched_spans(path) is None  # what was vouched for the last one is not taken
+        mo.inspect(tmp_path / "ck")  # vouches for this version
+        assert _dcp_items.vouched_spans(path) is not None
+    assert len(_dcp_items._VOUCHED) == 1, list(_dcp_items._VOUCHED)
+
+
+def test_vouched_spans_are_kept_for_the_last_files_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(_dcp_items, "_VOUCHED_MAX", 3, raising=False)
+    _forget_parsed_items()
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"__{i}_0.distcp"
+        p.write_bytes(b"\0" * 64)
+        paths.append(str(p))
+        _dcp_items.vouch({str(p): ([0], [64])})
+    assert len(_dcp_items._VOUCHED) == 3
+    assert [_dcp_items.vouched_spans(p) is not None for p in paths] == [False, False, True, True, True]

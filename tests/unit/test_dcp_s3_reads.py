@@ -201,3 +201,40 @@ def test_announced_reads_in_any_order_keep_at_most_two_spans(endpoint, tmp_path,
     assert endpoint.counters.gets == 3 + 3, endpoint.counters.gets
     # two spans' buffers, an answer's piece in flight (1 MiB), this test's own buffers
     assert peak < 2 * 4 * piece + (1 << 20) + 3 * piece + (256 << 10), peak
+
+
+def test_a_span_being_fetched_when_the_spans_are_cleared_keeps_no_buffer(endpoint, tmp_path, monkeypatch):
+    """``_storage.forget`` clears the spans while a read may be fetching one (another
+    thread's load): that span is dead from then on, as ``drop`` makes an object's spans, so
+    its buffer is not kept among the held ones once its answer comes."""
+    import threading
+
+    from tests.s3_server import apply_env
+
+    raw = bytes(range(256)) * 4096  # 1 MiB
+    path = tmp_path / "clear.bin"
+    path.write_bytes(raw)
+    url = endpoint.upload(path, "dcp-reads", "clear.bin")
+    apply_env(endpoint.env(), monkeypatch)
+    _storage.forget()
+    _storage.stat(url)
+    fetching, go = threading.Event(), threading.Event()
+    real = _storage._read_parts
+
+    def held_back(*a, **k):  # the span's fetch, held until the spans were cleared
+        fetching.set()
+        assert go.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(_storage, "_read_parts", held_back)
+    buf = bytearray(1000)
+    got: list = []
+    with _storage.expecting([(url, 0, 1000), (url, 1000, 1000)]):  # one span of both
+        t = threading.Thread(target=lambda: got.append(_storage.read_into(url, 0, memoryview(buf))))
+        t.start()
+        assert fetching.wait(30)
+        _storage._SPANS.clear()
+        go.set()
+        t.join(30)
+        assert got == [1000] and bytes(buf) == raw[:1000]
+        assert not _storage._SPANS._held

@@ -197,15 +197,24 @@ def test_a_url_without_the_remote_extra_is_a_refusal_with_the_install_line(block
             f"for m in {blocked!r}: sys.modules[m] = None\n"
             "from metaseq_oneload.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
-    for argv in (["inspect", "s3://bucket/ck/checkpoint_last.pt"],
-                 ["verify", "s3://bucket/ck/checkpoint_last.pt", str(FIXTURES / "singleton")]):
-        p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, PYTHONPATH=str(REPO)))
-        assert p.returncode == 2, p.stderr
-        assert "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
-        assert p.stderr.startswith(f"metaseq-oneload {argv[0]}: error: s3://bucket/ck/checkpoint_last.pt: reading "
-                                   "checkpoints from URLs needs fsspec"), p.stderr
-        assert "pip install metaseq-oneload[remote]" in p.stderr
+    argvs = (["inspect", "s3://bucket/ck/checkpoint_last.pt"],
+             ["verify", "s3://bucket/ck/checkpoint_last.pt", str(FIXTURES / "singleton")])
+    # Side by side: each is a fresh interpreter importing torch, most of this test's time.
+    runs = [subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO))) for argv in argvs]
+    try:
+        for argv, run in zip(argvs, runs):
+            _, err = run.communicate(timeout=300)
+            assert run.returncode == 2, err
+            assert "Traceback" not in err and "internal error" not in err, err
+            assert err.startswith(f"metaseq-oneload {argv[0]}: error: s3://bucket/ck/checkpoint_last.pt: reading "
+                                  "checkpoints from URLs needs fsspec"), err
+            assert "pip install metaseq-oneload[remote]" in err
+    finally:  # (one that hung or failed an assertion leaves no sibling running)
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
 
 
 def test_the_missing_extra_is_a_oneload_error_and_still_an_import_error():

@@ -80,17 +80,33 @@ def test_each_dcp_item_is_parsed_once_per_load(dcp_folder, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     folder, sd = dcp_folder
-    parsed: list = []
-    header = _dcp_items.header
+    parsed: list = []  # the item's archive, each time one is parsed
+    pickles: list = []  # its pickle, each time one is read (by either reader)
+    archive, header, plain = _dcp_items._archive, _dcp_items.header, _dcp_items._plain_tensor
 
-    def counted(label, *a, **k):
+    def counted_archive(key, offset, length, label):
         parsed.append(label)
+        return archive.__wrapped__(key, offset, length, label)
+
+    def counted_header(label, *a, **k):
+        pickles.append(("general", label))
         return header(label, *a, **k)
 
-    monkeypatch.setattr(_dcp_items, "header", counted)
+    def counted_plain(data):
+        got = plain(data)
+        if got is not None:  # (else the general reader reads it, counted there)
+            pickles.append(("plain", got[1]))
+        return got
+
+    monkeypatch.setattr(_dcp_items, "_archive", counted_archive)
+    monkeypatch.setattr(_dcp_items, "header", counted_header)
+    monkeypatch.setattr(_dcp_items, "_plain_tensor", counted_plain)
     monkeypatch.setenv("METASEQ_ONELOAD_READ_THREADS", "4")
     got = mo.load_state_dict(folder, no_dist=True)
     assert len(parsed) == len(sd) == len(set(parsed))
+    assert len(pickles) == len(sd)
+    # torch.save's pickle of one tensor, each of them: read without the general reader
+    assert {how for how, _ in pickles} == {"plain"}
     ref = {k: torch.empty_like(v) for k, v in sd.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -28,7 +28,9 @@ ALLOWED_READS = {
     # metaseq's launch: torchrun's variables tell whether torchrun decides the world size
     "integrations/metaseq.py": {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"},
     # torchrun's node rank, which names a node where METASEQ_ONELOAD_NODE does not
-    "_nodes.py": {"GROUP_RANK", "LOCAL_WORLD_SIZE"},
+    # and how many processes a launcher started on this host (each may load alone)
+    "_nodes.py": {"GROUP_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                  "MPI_LOCALNRANKS"},
     # the XDG base directory, where the index key lives by default
     "formats/_index.py": {"XDG_CACHE_HOME"},
 }
@@ -65,6 +67,14 @@ def test_values_are_read_and_typed():
     assert from_env(env).agreed() == {"shm": False, "shm_dir": "/tmp/x"}
 
 
+def test_o_direct_is_off_unless_set_and_auto_asks_for_the_choice_per_piece():
+    assert from_env({}).o_direct is False
+    assert from_env({"METASEQ_ONELOAD_O_DIRECT": "auto"}).o_direct is None
+    assert from_env({"METASEQ_ONELOAD_O_DIRECT": "AUTO"}).o_direct is None
+    with pytest.raises(OptionError, match="or auto"):
+        from_env({"METASEQ_ONELOAD_O_DIRECT": "automatic"})
+
+
 BAD = {
     "arrival_timeout": ("soon", "0", "-1", "inf", "nan"),
     "shm": ("2", "maybe"),
@@ -99,7 +109,7 @@ def test_every_field_has_a_variable_and_a_kind():
 
     assert [f.name for f in fields(Settings)] == list(_settings._FIELDS)
     for suffix, kind in _settings._FIELDS.values():
-        assert kind in _settings._KINDS or kind in ("text", "path", "json_object", "flag", "flag_on"), kind
+        assert kind in _settings._KINDS or kind in ("text", "path", "json_object", "flag", "flag_on", "flag_auto"), kind
     assert set(AGREED) <= set(_settings._FIELDS)
 
 

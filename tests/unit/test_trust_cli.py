@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -29,10 +30,29 @@ SINGLE = FIXTURES / "singleton" / "checkpoint_2_consolidated.pt"
 DROP = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
 
 
-def cli(*argv, prefix=()):
-    r = subprocess.run([*prefix, sys.executable, "-m", "metaseq_oneload", *map(str, argv)], capture_output=True,
-                       text=True, timeout=300)
-    return r.returncode, r.stderr
+def run_at_once(cmds, timeout: float) -> list:
+    """Run the commands side by side: (exit code, stderr) of each, in order, or None for one
+    still running ``timeout`` seconds after they started (it is killed). Each is a fresh
+    interpreter that imports torch; one after another they were most of this file's time."""
+    deadline = time.monotonic() + timeout
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            out.append((p.returncode, err))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            out.append(None)
+    return out
+
+
+def cli(*argvs, prefix=()) -> list:
+    """``python -m metaseq_oneload`` with each argv (a list), all at once: (exit code, stderr) of each."""
+    got = run_at_once([[*prefix, sys.executable, "-m", "metaseq_oneload", *map(str, argv)] for argv in argvs], 300)
+    assert None not in got, f"a CLI run still going after 300 s: {[a for a, g in zip(argvs, got) if g is None]}"
+    return got
 
 
 def assert_refused(rc, err, path, needle):
@@ -61,8 +81,8 @@ def test_a_file_this_user_may_not_read_is_refused_with_how_to_fix_it(tmp_path):
     locked = tmp_path / "checkpoint_last.pt"
     shutil.copyfile(SINGLE, locked)
     locked.chmod(0)
-    for argv in (["inspect", locked], ["convert", locked, tmp_path / "out" / "x"], ["verify", locked, SINGLE]):
-        rc, err = cli(*argv, prefix=prefix)
+    argvs = (["inspect", locked], ["convert", locked, tmp_path / "out" / "x"], ["verify", locked, SINGLE])
+    for rc, err in cli(*argvs, prefix=prefix):
         assert_refused(rc, err, locked, "permission denied")
         assert "ls -l" in err, err  # what to do, as the unlistable-folder message says
 
@@ -77,8 +97,8 @@ def test_truncated_non_checkpoint_and_garbage_pickle_files_are_refused(tmp_path)
     with zipfile.ZipFile(garbage, "w") as z:
         z.writestr("archive/data.pkl", b"\x80\x02this is no pickle")
         z.writestr("archive/version", "3\n")
-    for path, needle in ((truncated, "truncated"), (text, "not a torch checkpoint"), (garbage, "pickle")):
-        rc, err = cli("inspect", path)
+    cases = ((truncated, "truncated"), (text, "not a torch checkpoint"), (garbage, "pickle"))
+    for (path, needle), (rc, err) in zip(cases, cli(*(["inspect", path] for path, _ in cases))):
         assert_refused(rc, err, path, needle)
 
 
@@ -107,10 +127,10 @@ def _crafted(tmp_path) -> dict:
 
 
 def test_header_fields_of_the_wrong_type_are_refused_not_a_traceback(tmp_path):
-    for name, (path, _) in _crafted(tmp_path).items():
-        for argv in (["inspect", path], ["plan", path, "--world", "2"]):
-            rc, err = cli(*argv)
-            assert_refused(rc, err, path, "could not be read as a checkpoint")
+    paths = [path for path, _ in _crafted(tmp_path).values()]
+    argvs = [argv for path in paths for argv in (["inspect", path], ["plan", path, "--world", "2"])]
+    for argv, (rc, err) in zip(argvs, cli(*argvs)):
+        assert_refused(rc, err, argv[1], "could not be read as a checkpoint")
 
 
 def test_the_api_raises_ours_naming_the_file_with_the_cause_kept(tmp_path):
@@ -174,28 +194,29 @@ def test_a_machine_short_of_memory_or_threads_is_not_called_a_bad_file_nor_a_bug
     path = tmp_path / "sound.pt"
     torch.save({"model": {f"layers.{i}.weight": torch.zeros(2) for i in range(2000)}}, path)
     failed, slow, starved = [], [], []
-    for headroom_mib in (1, 2, 6, 8, 16):
-        try:
-            r = subprocess.run([sys.executable, "-c", _SHORT_OF_MEMORY, str(path), str(headroom_mib)],
-                               capture_output=True, text=True, timeout=60)
-        except subprocess.TimeoutExpired:  # glibc's malloc, failing every mmap, can crawl: not what is tested
+    headrooms = (1, 2, 6, 8, 16)
+    # Side by side they share the machine's cores: the 60 s each had alone, for all five.
+    runs = run_at_once([[sys.executable, "-c", _SHORT_OF_MEMORY, str(path), str(h)] for h in headrooms], 300)
+    for headroom_mib, run in zip(headrooms, runs):
+        if run is None:  # glibc's malloc, failing every mmap, can crawl: not what is tested
             slow.append(headroom_mib)
             continue
-        if r.returncode == 0:
+        rc, stderr = run
+        if rc == 0:
             continue
-        if not r.stderr.strip() or (r.returncode == 1 and "internal error" not in r.stderr
-                                    and r.stderr.strip().endswith("MemoryError")):
+        if not stderr.strip() or (rc == 1 and "internal error" not in stderr
+                                  and stderr.strip().endswith("MemoryError")):
             # So short that the interpreter itself failed while reporting (a MemoryError raised
             # while handling a MemoryError, before any handler of ours could print, or died
             # with nothing printed at all): nothing a program can say then, and nothing mislabelled.
             starved.append(headroom_mib)
             continue
-        failed.append((headroom_mib, r.stderr.strip().splitlines()[-1]))
-        assert r.returncode == 2, (headroom_mib, r.returncode, r.stderr[-3000:])
-        assert "could not be read as a checkpoint" not in r.stderr and "Re-create" not in r.stderr, r.stderr[-3000:]
-        assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
-        assert "ran out of memory or threads" in r.stderr and "ulimit" in r.stderr, r.stderr[-3000:]
-        assert "not at fault" in r.stderr, r.stderr[-3000:]
-    print("\n" + "\n".join(f"+{h} MiB: {line}" for h, line in failed) + (f"\nover 60 s: +{slow} MiB" if slow else "")
+        failed.append((headroom_mib, stderr.strip().splitlines()[-1]))
+        assert rc == 2, (headroom_mib, rc, stderr[-3000:])
+        assert "could not be read as a checkpoint" not in stderr and "Re-create" not in stderr, stderr[-3000:]
+        assert "internal error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+        assert "ran out of memory or threads" in stderr and "ulimit" in stderr, stderr[-3000:]
+        assert "not at fault" in stderr, stderr[-3000:]
+    print("\n" + "\n".join(f"+{h} MiB: {line}" for h, line in failed) + (f"\nover 300 s: +{slow} MiB" if slow else "")
           + (f"\ninterpreter starved: +{starved} MiB" if starved else ""))
     assert failed, "no headroom made the read fail: the test did not exercise a shortage"

@@ -43,15 +43,18 @@ def _members(src: Path) -> list:
 
 
 def _deflate(data: bytes, zeros: int = 0) -> bytes:
-    """``data`` then ``zeros`` zero bytes as one raw deflate stream, compressed piece by piece
-    (a 1 GiB stream never lies in memory here)."""
+    """``data`` then ``zeros`` zero bytes as one raw deflate stream (a 1 GiB stream never lies
+    in memory here). After a full flush deflate refers to nothing before it, so every 16 MiB
+    block of zeros that follows one compresses to the same bytes: compressed once and
+    repeated (compressing 1 GiB at level 9 took 5-15 s of a test's time)."""
     c = zlib.compressobj(9, zlib.DEFLATED, -15)
     out = [c.compress(data)]
-    block = bytes(16 << 20)
-    while zeros:
-        n = min(zeros, len(block))
-        out.append(c.compress(block[:n]))
-        zeros -= n
+    if zeros:
+        out.append(c.flush(zlib.Z_FULL_FLUSH))
+        whole, rest = divmod(zeros, 16 << 20)
+        if whole:
+            out += [c.compress(bytes(16 << 20)) + c.flush(zlib.Z_FULL_FLUSH)] * whole
+        out.append(c.compress(bytes(rest)))
     return b"".join(out) + c.flush()
 
 

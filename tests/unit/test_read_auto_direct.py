@@ -1,0 +1,203 @@
+"""With ``METASEQ_ONELOAD_O_DIRECT=auto``, a load with one process chooses, per piece, how to
+read a local file from what the page cache holds (#26): pieces the cache lacks with O_DIRECT
+straight into the destination, pieces it holds through ``preadv``; 1 reads every piece with
+O_DIRECT, 0 (the default) none; a reader that is not its files' only reader never chooses
+O_DIRECT (a node's ranks share what the cache holds). Real files from torch.save, torch's own load as the
+reference; which path read what is watched (``_pread_full`` wrapped, never replaced), and
+"cold" is ``posix_fadvise(DONTNEED)`` after an fsync, checked with ``mincore`` before use."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import metaseq_oneload as mo
+from metaseq_oneload import _reading
+from metaseq_oneload._pagecache import Residency
+from metaseq_oneload._reading import Extent, RangeReader, key_path, read_header, storage_byte_offset
+
+MiB = 1 << 20
+BIG = 12 * MiB // 4  # elements: a load's reads of it are pieces of 1 MiB or more
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auto") / "ck.pt"
+    g = torch.Generator().manual_seed(5)
+    sd = {"big": torch.rand(BIG, generator=g), "bias": torch.rand(33, generator=g)}
+    torch.save({"model": sd}, path)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except (OSError, AttributeError):
+        pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): nothing to choose")
+    return str(path), sd
+
+
+def _cold(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        r = Residency()
+        try:
+            if r.held(path, fd, 0, os.fstat(fd).st_size) > 0.1:
+                pytest.skip("the kernel kept the file's pages after DONTNEED: no cold state to test")
+        finally:
+            r.close()
+    finally:
+        os.close(fd)
+
+
+def _warm(path: str) -> None:
+    with open(path, "rb") as f:
+        while f.read(8 * MiB):
+            pass
+
+
+@pytest.fixture
+def watch(monkeypatch):
+    """The file offsets and lengths each kind of read covered while a test runs."""
+    seen = {"direct": [], "plain": []}
+    real = _reading._pread_full
+
+    def counted(fd, offset, view, block=0):
+        seen["direct" if block else "plain"].append((offset, len(view)))
+        return real(fd, offset, view, block)
+
+    monkeypatch.setattr(_reading, "_pread_full", counted)
+    return seen
+
+
+def _direct_bytes(seen) -> int:
+    return sum(n for _, n in seen["direct"])
+
+
+def _equal(got, sd) -> None:
+    assert set(got) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(got[k].view(torch.int32), v.view(torch.int32)), k
+
+
+def test_a_cold_file_is_read_with_o_direct_by_a_one_process_load(saved, watch, monkeypatch):
+    monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", "auto")
+    path, sd = saved
+    _cold(path)
+    _equal(mo.load_state_dict(path, no_dist=True), sd)
+    # all of the big tensor but the few bytes before and after its 512-byte aligned middle
+    assert _direct_bytes(watch) >= BIG * 4 - 1024
+
+
+def test_a_warm_file_is_read_through_the_cache(saved, watch, monkeypatch):
+    monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", "auto")
+    path, sd = saved
+    _warm(path)
+    _equal(mo.load_state_dict(path, no_dist=True), sd)
+    assert watch["direct"] == []
+
+
+def test_only_the_pieces_the_cache_lacks_are_read_with_o_direct(saved, watch, monkeypatch):
+    monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", "auto")
+    path, sd = saved
+    meta = read_header(path)["model"]["big"]
+    start = storage_byte_offset(meta)
+    _cold(path)
+    half = start + BIG * 2 // MiB * MiB  # the first half of the tensor's bytes, from a MiB boundary
+    fd = os.open(path, os.O_RDONLY)
+    try:  # the cache now holds the file up to ``half`` (no read-ahead past it)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, half, 0)
+        r = Residency()
+        try:
+            assert r.held(path, fd, 0, half) == 1.0 and r.held(path, fd, half, BIG * 4 + start - half) < 0.1
+        finally:
+            r.close()
+    finally:
+        os.close(fd)
+    out = torch.empty(BIG)
+    with RangeReader(read_threads=4, split_bytes=2 * MiB, alone=True) as reader:
+        reader.read_extent(Extent(path, key_path("model", "big"), 0, BIG, start), 0, out, torch.float32)
+    assert torch.equal(out.view(torch.int32), sd["big"].view(torch.int32))
+    assert watch["direct"], "the cold half was read through the cache"
+    assert all(o >= half - 2 * MiB for o, _ in watch["direct"]), "a piece the cache held was read with O_DIRECT"
+    assert _direct_bytes(watch) >= (start + BIG * 4 - half) - 4 * MiB
+
+
+@pytest.mark.parametrize("value", ["0", "1", None])
+def test_the_variable_set_decides_alone_and_unset_reads_through_the_cache(saved, watch, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("METASEQ_ONELOAD_O_DIRECT", raising=False)
+    else:
+        monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", value)
+    path, sd = saved
+    if value == "1":
+        _warm(path)  # warm, yet with O_DIRECT
+    else:
+        _cold(path)  # cold, yet through the cache
+    _equal(mo.load_state_dict(path, no_dist=True), sd)
+    assert (_direct_bytes(watch) > 0) == (value == "1")
+
+
+@pytest.mark.parametrize("var,value", [("LOCAL_WORLD_SIZE", "2"), ("SLURM_NTASKS_PER_NODE", "4(x2)")])
+def test_a_process_a_launcher_started_beside_others_reads_through_the_shared_cache(saved, watch, monkeypatch,
+                                                                                   var, value):
+    # each process of such a launch may load the same file alone (no_dist=True): O_DIRECT
+    # would make every one of them read it from the device
+    monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", "auto")
+    monkeypatch.setenv(var, value)
+    path, sd = saved
+    _cold(path)
+    _equal(mo.load_state_dict(path, no_dist=True), sd)
+    assert watch["direct"] == []
+
+
+def test_a_reader_that_is_not_its_files_only_reader_never_chooses_o_direct(saved, watch, monkeypatch):
+    monkeypatch.setenv("METASEQ_ONELOAD_O_DIRECT", "auto")
+    path, sd = saved
+    meta = read_header(path)["model"]["big"]
+    _cold(path)
+    out = torch.empty(BIG)
+    with RangeReader(read_threads=4, split_bytes=2 * MiB) as reader:  # alone=False: a rank among others
+        reader.read_extent(Extent(path, key_path("model", "big"), 0, BIG, storage_byte_offset(meta)), 0, out,
+                           torch.float32)
+    assert torch.equal(out.view(torch.int32), sd["big"].view(torch.int32))
+    assert watch["direct"] == []
+
+
+def test_the_probe_tells_cold_from_warm_without_touching_the_pages_and_unmaps_them(saved):
+    path, _ = saved
+    size = os.path.getsize(path)
+    _cold(path)
+    fd = os.open(path, os.O_RDONLY)
+    r = Residency()
+    try:
+        assert r.held(path, fd, 0, size) < 0.1
+        assert r.held(path, fd, 0, size) < 0.1  # asking faulted nothing in
+        _warm(path)
+        assert r.held(path, fd, 0, size) == 1.0
+        assert r.held(path, fd, size, 0) == 1.0  # nothing asked: nothing to read from the device
+    finally:
+        r.close()
+        os.close(fd)
+    with open("/proc/self/maps") as f:
+        assert path not in f.read()  # nothing left in the address space
+
+
+def test_a_process_with_a_limited_address_space_maps_nothing_and_reads_through_the_cache(saved, tmp_path):
+    # (a child: the limit cannot be lifted again in this process)
+    import subprocess
+    import sys
+
+    path, _ = saved
+    _cold(path)
+    code = ("import os, resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (64 << 30, resource.RLIM_INFINITY))\n"
+            "from metaseq_oneload._pagecache import Residency\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "r = Residency()\n"
+            "print(r.held(sys.argv[1], fd, 0, os.fstat(fd).st_size))\n"
+            "print(sys.argv[1] in open('/proc/self/maps').read())\n")
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1.0", "False"]
