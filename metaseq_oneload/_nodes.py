@@ -33,8 +33,9 @@ def node_key(explicit: Optional[str] = None) -> str:
 
 def launched_alone() -> bool:
     """(local) Whether no launcher says it started other processes on this host beside this
-    one (torchrun, Open MPI, Slurm, MPICH/Intel MPI each say how many they started there): where one did, each may be loading the same files "alone" (``no_dist=True``, no
-    process group), and a page cache they share must stay theirs to share."""
+    one (torchrun, Open MPI, Slurm, MPICH/Intel MPI each say how many they started there):
+    where one did, each may be loading the same files "alone" (``no_dist=True``, no process
+    group), and a page cache they share must stay theirs to share."""
     sizes = (os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"),
              os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("MPI_LOCALNRANKS"))
     # (Slurm writes "4" or, for uneven nodes, "4(x2),3": the first count is enough to know)

@@ -230,13 +230,14 @@ class RangeReader:
         with self._lock:
             self.readahead = bool(on)
             for path, fd in self._fds.items():
-                if path not in self._random:  # (read with O_DIRECT: stays without read-ahead)
-                    self._advise(fd)
+                self._advise(path, fd)
 
-    def _advise(self, fd: int) -> None:
+    def _advise(self, path: str, fd: int) -> None:
+        # (a file read with O_DIRECT stays without read-ahead whatever set_readahead says)
+        ahead = self.readahead and path not in self._random
         if hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL if self.readahead else os.POSIX_FADV_RANDOM)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL if ahead else os.POSIX_FADV_RANDOM)
 
     def __enter__(self) -> "RangeReader":
         return self
@@ -271,8 +272,8 @@ class RangeReader:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
                 raise CheckpointLayoutError(f"{path}: cannot open the file ({e.strerror or e}).") from e
-            if not self.readahead:
-                self._advise(fd)
+            if not self.readahead or path in self._random:
+                self._advise(path, fd)
             self._fds[path] = fd
         return fd
 
@@ -297,10 +298,9 @@ class RangeReader:
         the neighbouring pieces into the cache as well as the O_DIRECT reads do."""
         if path not in self._random:
             with self._lock:
-                if path not in self._random and hasattr(os, "posix_fadvise"):
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(self._fd_locked(path), 0, 0, os.POSIX_FADV_RANDOM)
-                self._random.add(path)
+                if path not in self._random:
+                    self._random.add(path)
+                    self._advise(path, self._fd_locked(path))
 
     def _give_up_direct(self, path: str, fd: int) -> None:
         with self._lock:
