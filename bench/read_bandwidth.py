@@ -1,6 +1,7 @@
 """One process's read bandwidth: the engine against the read limit measured in the same run.
 
-    .venv/bin/python bench/read_bandwidth.py [--gib 2] [--repeats 3] [--threads 1,2,4,8] [--no-cold] [--json]
+    .venv/bin/python bench/read_bandwidth.py [--gib 2] [--repeats 3] [--threads 1,2,4,8] [--no-cold]
+                                             [--prefault] [--json]
 
 Writes a synthetic fp32 singleton of about ``--gib`` GiB (metaseq's names, bench/_synth.py)
 under /tmp (deleted afterwards unless ``--keep``) and times, each in a fresh process so that
@@ -13,7 +14,11 @@ every run pays for fresh pages and re-reads the header:
 * ``metaseq_oneload.load_state_dict(path, no_dist=True)`` with the reader's pool at 1 (the
   serial reader) and N threads, and with ``O_DIRECT`` for the cold runs; it includes finding
   the layout, reading the header and planning (imports happen before the clock starts);
-* ``torch.load(mmap=False)`` for reference.
+* ``torch.load(mmap=False)`` for reference;
+* with ``--prefault``, also ``preadv`` on N threads into fresh memory whose pages each piece
+  maps first in one call (``metaseq_oneload._pagecache.prefault``, ``MADV_POPULATE_WRITE``,
+  as the engine's reader does): the page faults' share of the limit. Not part of the limit,
+  which stays plain ``preadv`` into fresh memory.
 
 Warm: the file is in the page cache. Cold: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the
 whole file before each run (its pages are clean: the file was fsync-ed), and each row shows
@@ -67,7 +72,10 @@ def _child(mode: str, path: str, threads: int) -> dict:
     size = os.path.getsize(path)
     before = proc_io()
     t0 = time.perf_counter()
-    if mode.startswith("preadv"):
+    if mode.startswith(("preadv", "prefault")):
+        from metaseq_oneload._pagecache import prefault
+
+        first = prefault if mode.startswith("prefault") else (lambda address, n: None)
         buf = torch.empty(size, dtype=torch.uint8)
         view = memoryview((ctypes.c_char * size).from_address(buf.data_ptr())).cast("B")
         fd = os.open(path, os.O_RDONLY)
@@ -78,8 +86,12 @@ def _child(mode: str, path: str, threads: int) -> dict:
                 from concurrent.futures import ThreadPoolExecutor
 
                 piece = 16 * MiB
+                def one(a: int) -> None:
+                    first(buf.data_ptr() + a, min(size, a + piece) - a)
+                    _pread_all_at(fd, view, a, min(size, a + piece))
+
                 with ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(lambda a: _pread_all_at(fd, view, a, min(size, a + piece)), range(0, size, piece)))
+                    list(pool.map(one, range(0, size, piece)))
         finally:
             os.close(fd)
         delivered = size
@@ -169,12 +181,14 @@ def run_mode(mode: str, path: str, threads: int, env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _modes(threads: list, cold: bool) -> list:
+def _modes(threads: list, cold: bool, prefaulted: bool = False) -> list:
     """(label, mode, threads, env) in the order each round runs them."""
     pool = max(threads)
     modes = [("cat file > /dev/null", "cat", 1, {}),
              ("preadv, 1 thread, fresh memory", "preadv", 1, {})]
     modes += [(f"preadv, {n} threads, fresh memory", f"preadv{n}", n, {}) for n in threads if n > 1]
+    if prefaulted:
+        modes += [(f"preadv, {n} threads, pages mapped first", f"prefault{n}", n, {}) for n in threads if n > 1]
     for n in threads:
         modes.append((f"engine, read_threads={n}", f"engine{n}", n, {"METASEQ_ONELOAD_READ_THREADS": str(n)}))
     if cold:
@@ -190,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds per cache state")
     ap.add_argument("--threads", default="1,2,4,8", help="thread counts for the pooled preadv and the engine")
     ap.add_argument("--no-cold", action="store_true", help="warm page cache only")
+    ap.add_argument("--prefault", action="store_true",
+                    help="also time preadv into memory whose pages each piece maps first (MADV_POPULATE_WRITE)")
     ap.add_argument("--keep", help="write the checkpoint here and keep it")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -220,7 +236,7 @@ def main(argv=None) -> int:
         size = os.path.getsize(path)
         states = ["warm"] + ([] if args.no_cold else ["cold"])
         for state in states:
-            modes = _modes(threads, state == "cold")
+            modes = _modes(threads, state == "cold", args.prefault)
             if state == "warm":
                 run_mode("cat", path, 1, {})
             for rnd in range(args.repeats):
@@ -237,7 +253,7 @@ def main(argv=None) -> int:
     rows = []
     for state in ("warm", "cold"):
         limit = None
-        for label, mode, n, env in _modes(threads, state == "cold"):
+        for label, mode, n, env in _modes(threads, state == "cold", args.prefault):
             runs = results.get((state, label))
             if not runs:
                 continue

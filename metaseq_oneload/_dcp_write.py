@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from . import _threads
 from ._dcp_meta import read_metadata
 from ._digest_record import WriteDigests, canonical_routes
 from ._errors import OneloadError, OptionError, OutputExistsError
@@ -301,7 +302,7 @@ def _write_files(items: list, targets: dict, outputs: OutputSet, finals: Sequenc
             if shared is None:
                 reader.close()
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="oneload-dcp") as pool:
+    with _threads.pool(jobs, "oneload-dcp") as pool:
         futures = [pool.submit(one, r) for r in range(len(items))]
         try:
             for f in concurrent.futures.as_completed(futures):

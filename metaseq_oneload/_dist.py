@@ -57,6 +57,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _threads
 from ._begun import began
 from ._errors import DistributedLoadError, OneloadError, OptionError, cap_list
 from ._settings import Settings, from_env, variable
@@ -273,7 +274,7 @@ class Group:
             finally:
                 done.set()
 
-        threading.Thread(target=wait, name="oneload-wait", daemon=True).start()
+        _threads.thread(wait, "oneload-wait")
         with self.guard():
             while not done.wait(_LOST_POLL):
                 if store.check([f"{self._arrival}/lost"]):

@@ -30,7 +30,6 @@ segment (two slots of a round) and the few pieces it has mapped out of its neigh
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -39,8 +38,10 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _threads
 from ._dist import Group
 from ._errors import cap_list
+from ._pagecache import MADV_DONTNEED, MADV_POPULATE_READ, advise
 
 logger = logging.getLogger("metaseq_oneload")
 
@@ -460,30 +461,19 @@ _COPY_PIECE = 8 << 20
 _LENT_PIECE = 1 << 20
 _COPY_THREADS = 4
 _copiers: dict = {}  # pid -> pool: a forked child makes its own
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_MADV_DONTNEED, _MADV_POPULATE_READ = 4, 22
-_libc: list = []
 
 
 def _madvise(t: torch.Tensor, advice: int) -> None:
-    """``madvise`` over the whole pages inside ``t``'s bytes (best effort: a kernel without
-    the advice leaves the pages as they were)."""
-    a = t.data_ptr()
-    lo, hi = -(-a // _PAGE) * _PAGE, (a + t.numel() * t.element_size()) // _PAGE * _PAGE
-    if hi <= lo:
-        return
-    if not _libc:
-        _libc.append(ctypes.CDLL(None, use_errno=True))
-    _libc[0].madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(advice))
+    advise(t.data_ptr(), t.numel() * t.element_size(), advice)
 
 
 def _copy_one(dst: torch.Tensor, src) -> None:
     if not isinstance(src, _Lent):
         dst.copy_(src)
         return
-    _madvise(src.tensor, _MADV_POPULATE_READ)  # one call maps the piece, not a fault per page
+    _madvise(src.tensor, MADV_POPULATE_READ)  # one call maps the piece, not a fault per page
     dst.copy_(src.tensor)
-    _madvise(src.tensor, _MADV_DONTNEED)  # a shared mapping: only this rank's view goes
+    _madvise(src.tensor, MADV_DONTNEED)  # a shared mapping: only this rank's view goes
 
 
 def _copy_all(pairs: Sequence, threads: int) -> None:
@@ -504,9 +494,7 @@ def _copy_all(pairs: Sequence, threads: int) -> None:
         return
     pool = _copiers.get(os.getpid())
     if pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = _copiers[os.getpid()] = ThreadPoolExecutor(threads, thread_name_prefix="oneload-copy")
+        pool = _copiers[os.getpid()] = _threads.pool(threads, "oneload-copy")
     for f in [pool.submit(_copy_one, dst, src) for dst, src in pieces]:
         f.result()
 
@@ -526,9 +514,7 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     # Reads of the next round overlap this round's messages and copies: its shared slot is
     # the one every rank finished with before this round's check, and its staging with this
     # round's comes to one bucket (a round's chunks are half of one).
-    from concurrent.futures import ThreadPoolExecutor
-
-    ahead = ThreadPoolExecutor(1, thread_name_prefix="oneload-readahead") if len(plan.rounds) > 1 else None
+    ahead = _threads.pool(1, "oneload-readahead") if len(plan.rounds) > 1 else None
     pending, error = None, None
     try:
         for j, rnd in enumerate(plan.rounds):

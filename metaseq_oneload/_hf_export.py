@@ -41,6 +41,7 @@ from ._layout import CheckpointLayout
 from ._options import check_option
 from ._outputs import local_destination, make_temp, source_clash, stale_temps
 from ._reading import RangeReader
+from ._threads import check_signals
 from ._digest_record import ExportDigests
 from ._writing import Meter, executor_chunks, whole_record, write_json, write_safetensors
 from .formats import discover
@@ -285,6 +286,7 @@ def _move_into_place(tmp: str, dst: str, overwrite: bool, source_ids: set) -> li
     (:func:`_clean_stale`); interrupted (SIGTERM, Ctrl-C), it is put back here."""
     parent = os.path.dirname(dst)
     old = None
+    check_signals(commit=True)  # interrupted (also where its exception was lost): never commit
     with _move_lock:
         try:
             if os.path.lexists(dst):

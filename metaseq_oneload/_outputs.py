@@ -47,6 +47,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from ._errors import ConversionError, OptionError, OutputExistsError, cap_list
 from ._storage import is_url
+from ._threads import check_signals
 
 __all__ = [
     "OutputSet",
@@ -65,6 +66,7 @@ __all__ = [
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    check_signals()  # a chunk at a time: an interrupt another thread took stops the writer here
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -155,6 +157,7 @@ def replace_file(final: str, data: bytes, *, what: str = "file") -> None:
         raise destination_error(final, e, f"cannot create the temporary file of the {what}") from e
     try:
         write_new(tmp, data)
+        check_signals(commit=True)  # interrupted: never commit
         os.replace(tmp, final)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -608,6 +611,7 @@ class OutputSet:
         if missing:
             raise ConversionError(f"{missing[0]}: a finished output is missing before the rename; nothing was renamed.")
         stats = {f: os.stat(self.temps[f]) for f in self.finals}
+        check_signals(commit=True)  # interrupted: never commit
         self._write_journal(stats)
         taken: list = []  # (final, the file's stat): names this set holds
         try:

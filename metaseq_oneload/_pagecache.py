@@ -1,4 +1,5 @@
-"""What the page cache holds of a piece of a local file: ``mincore`` over a mapping of it.
+"""What the page cache holds of a piece of a local file (``mincore`` over a mapping of it),
+and advice on a process's own pages (``madvise``).
 
 :class:`RangeReader` asks this before each large piece of a load that is its file's only
 reader, under ``METASEQ_ONELOAD_O_DIRECT=auto``: a piece the cache holds is copied out of it (``preadv``), one it
@@ -21,7 +22,7 @@ import os
 import threading
 from typing import Optional
 
-__all__ = ["Residency"]
+__all__ = ["Residency", "advise", "prefault", "MADV_DONTNEED", "MADV_POPULATE_READ"]
 
 _PAGE = mmap.PAGESIZE
 # bit 0 of each byte mincore writes is the page's residency; the other bits are undefined
@@ -36,6 +37,7 @@ def _libc():
                              ctypes.c_long)
         lib.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
         lib.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+        lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         return lib
     except (OSError, AttributeError):  # no mincore here (not Linux or a BSD)
         return None
@@ -43,6 +45,29 @@ def _libc():
 
 _LIBC = _libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_DONTNEED, MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 4, 22, 23  # Linux's numbers (the last two: 5.14)
+_prefaults = [True]  # cleared once the kernel refuses MADV_POPULATE_WRITE
+
+
+def advise(address: int, nbytes: int, advice: int) -> bool:
+    """(local) ``madvise`` over the whole pages inside ``nbytes`` at ``address``; whether the
+    kernel took it (best effort: where it did not, the pages are as they were)."""
+    lo, hi = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+    if hi <= lo or _LIBC is None or not hasattr(_LIBC, "madvise"):
+        return False
+    return _LIBC.madvise(lo, hi - lo, advice) == 0
+
+
+def prefault(address: int, nbytes: int) -> None:
+    """(local) Map the fresh pages of a destination in one call before a read fills them
+    (``MADV_POPULATE_WRITE``): the kernel allocates them in a loop of its own instead of
+    taking a fault per 4 KiB page as ``preadv`` writes (measured on 2 CPUs, 0.27 GiB warm
+    into fresh memory on 2 threads: 68-81 ms against 81-108 ms). The bytes are left as they
+    are; pages already mapped cost a walk of their tables. A kernel without the advice
+    (before 5.14) is asked once."""
+    if _prefaults[0] and not advise(address, nbytes, _MADV_POPULATE_WRITE):
+        if ctypes.get_errno() in (22, 38):  # EINVAL, ENOSYS: an older kernel (a failed allocation is ENOMEM)
+            _prefaults[0] = False
 
 
 def _address_space_unlimited() -> bool:

@@ -26,6 +26,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from . import __version__
 from ._errors import OneloadError, os_error_message, out_of_resources, resource_problem
+from ._threads import interruptible
 
 __all__ = ["main", "build_parser"]
 
@@ -422,25 +423,12 @@ def _configure_digest(p: argparse.ArgumentParser) -> None:
 
 
 def _export_hf(args) -> int:
-    import signal
-    import threading
-
     from . import export_hf
     from ._convert import DTYPE_BY_NAME
 
-    def on_term(signum, frame):  # unwind, so the temporary folder is removed
-        raise SystemExit(128 + signum)
-
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        result = export_hf(args.path, args.dst, max_shard_size=args.max_shard_size,
-                           dtype=DTYPE_BY_NAME[args.dtype] if args.dtype else None, overwrite=args.overwrite,
-                           chunk_mb=args.chunk_mb, trust_pickle=args.trust_pickle, progress=_progress(args))
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    result = export_hf(args.path, args.dst, max_shard_size=args.max_shard_size,
+                       dtype=DTYPE_BY_NAME[args.dtype] if args.dtype else None, overwrite=args.overwrite,
+                       chunk_mb=args.chunk_mb, trust_pickle=args.trust_pickle, progress=_progress(args))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
@@ -596,7 +584,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _SUBPARSER = args._parser
     try:
-        return int(args._fn(args) or 0)
+        # SIGINT and SIGTERM unwind (temporary files go) and are recorded: an output is
+        # never moved into place after either, even where its exception was lost
+        with interruptible():
+            return int(args._fn(args) or 0)
     except BrokenPipeError:  # stdout closed early (| head): stop quietly, as cat does
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

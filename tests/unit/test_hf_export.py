@@ -557,3 +557,61 @@ def test_interrupted_export_leaves_nothing_at_dst(tmp_path, big, sig):
         assert tmp.exists()
         export_hf(FIXTURES / "singleton", dst)
         assert not tmp.exists() and dst.exists()
+
+
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost one, on purpose
+def test_an_interrupt_whose_exception_was_lost_still_stops_the_export_moving_into_place(tmp_path):
+    # CPython drops an exception raised in a finalizer ("Exception ignored"), and a signal
+    # another thread took reaches the main thread's handler at any later point: a Ctrl-C whose
+    # KeyboardInterrupt was lost so must still keep the export from being moved into place.
+    import gc
+
+    from metaseq_oneload import _threads
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, ())  # its handler raises here, in the finalizer
+
+    dst = tmp_path / "opt"
+    with _threads.interruptible():  # as the command line runs its verbs
+        Finalized()
+        gc.collect()
+        _threads.check_signals()  # nothing pending: the handler already ran (and its exception was lost)
+        with pytest.raises(KeyboardInterrupt):
+            export_hf(FIXTURES / "singleton", dst)
+    assert os.listdir(tmp_path) == []  # neither the export nor its temporary folder
+    _threads.check_signals(commit=True)  # the record ends with the verb
+    export_hf(FIXTURES / "singleton", dst)
+    assert (dst / "config.json").exists()
+
+
+def test_the_threads_the_package_starts_leave_signals_to_the_main_thread():
+    import threading
+
+    from metaseq_oneload import _threads
+
+    want = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+
+    def blocked() -> int:
+        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+
+    with _threads.pool(2, "test") as pool:
+        assert pool.submit(blocked).result() & want == want
+    got = []
+    _threads.thread(lambda: got.append(blocked()), "test").join()
+    assert got[0] & want == want
+    assert blocked() & want == 0  # this (main) thread still takes them
+
+
+def test_every_thread_the_package_starts_comes_from_its_one_helper():
+    import metaseq_oneload
+
+    root = Path(metaseq_oneload.__file__).parent
+    found = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") if p.name != "_threads.py"
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if "ThreadPoolExecutor(" in line or "threading.Thread(" in line]
+    assert not found, f"threads started outside metaseq_oneload/_threads.py: {found}"
