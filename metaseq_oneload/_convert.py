@@ -43,7 +43,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from . import _threads
 from ._conversion import KEEP_FLAT, Conversion, Output, wrapping_metadata
 from ._digest_record import with_stored_digests
 from ._dcp_write import write_dcp
@@ -393,7 +392,7 @@ def _write_all(conv: Conversion, outs: Sequence[Output], outputs: OutputSet, chu
     futures: list = []
     pending: set = set()
     try:
-        with _threads.pool(n_jobs, "oneload-convert") as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n_jobs, thread_name_prefix="oneload-convert") as pool:
             try:
                 futures = [pool.submit(conv.write, o, outputs, chunk, meter, cancel) for o in outs]
                 pending = set(futures)

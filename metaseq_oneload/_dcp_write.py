@@ -52,7 +52,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _threads
 from ._dcp_meta import read_metadata
 from ._digest_record import WriteDigests, canonical_routes
 from ._errors import OneloadError, OptionError, OutputExistsError
@@ -62,6 +61,7 @@ from ._optim import state_of
 from ._outputs import OutputSet, check_space, destination_error, local_destination, open_for_writing, write_new
 from ._plan import plan_part
 from ._reading import RangeReader, read_header
+from ._threads import check_signals
 from ._writing import Cancelled, Meter, Record, append_torch, executor_chunks, storage_key
 from .formats import discover
 
@@ -239,6 +239,7 @@ def write_dcp(path: Any, dst: Any, *, model_parallel: Optional[int], shards: Opt
             write_new(outputs.temp(finals[-1]), pickle.dumps(metadata))
         except OSError as e:
             raise destination_error(finals[-1], e) from e
+        check_signals(commit=True)  # interrupted: the old set stays whole (its .metadata included)
         if overwrite:
             # torch's loader knows no commit journal: an older .metadata left in place while
             # the .distcp files are renamed would point it at offsets of files now replaced.
@@ -302,7 +303,7 @@ def _write_files(items: list, targets: dict, outputs: OutputSet, finals: Sequenc
             if shared is None:
                 reader.close()
 
-    with _threads.pool(jobs, "oneload-dcp") as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="oneload-dcp") as pool:
         futures = [pool.submit(one, r) for r in range(len(items))]
         try:
             for f in concurrent.futures.as_completed(futures):

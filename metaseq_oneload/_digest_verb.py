@@ -19,12 +19,12 @@ import json
 import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from . import _threads
 from .formats import discover
 from ._claims import Claim, recorded
 from ._digest import LEAF, PREFIX, TensorHasher, dtype_name, model_digest, name_bytes, parse_digest, tensor_digest
@@ -126,7 +126,7 @@ class _Hashing:
 
     def __init__(self, threads: int, chunk: int, meter: Meter):
         self.threads = threads
-        self.pool = _threads.pool(threads, "oneload-digest")
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="oneload-digest")
         self.free = deque(torch.empty(chunk, dtype=torch.uint8) for _ in range(2))
         self.pending: deque = deque()  # (futures, buffer) of buffers being hashed, oldest first
         self.meter = meter

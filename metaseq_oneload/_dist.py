@@ -57,7 +57,6 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _threads
 from ._begun import began
 from ._errors import DistributedLoadError, OneloadError, OptionError, cap_list
 from ._settings import Settings, from_env, variable
@@ -274,7 +273,7 @@ class Group:
             finally:
                 done.set()
 
-        _threads.thread(wait, "oneload-wait")
+        threading.Thread(target=wait, name="oneload-wait", daemon=True).start()
         with self.guard():
             while not done.wait(_LOST_POLL):
                 if store.check([f"{self._arrival}/lost"]):

@@ -38,7 +38,6 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _threads
 from ._dist import Group
 from ._errors import cap_list
 from ._pagecache import MADV_DONTNEED, MADV_POPULATE_READ, advise
@@ -494,7 +493,9 @@ def _copy_all(pairs: Sequence, threads: int) -> None:
         return
     pool = _copiers.get(os.getpid())
     if pool is None:
-        pool = _copiers[os.getpid()] = _threads.pool(threads, "oneload-copy")
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _copiers[os.getpid()] = ThreadPoolExecutor(threads, thread_name_prefix="oneload-copy")
     for f in [pool.submit(_copy_one, dst, src) for dst, src in pieces]:
         f.result()
 
@@ -514,7 +515,9 @@ def exchange_loop(dp: Group, plan: ExchangePlan, targets: Mapping, wants: Sequen
     # Reads of the next round overlap this round's messages and copies: its shared slot is
     # the one every rank finished with before this round's check, and its staging with this
     # round's comes to one bucket (a round's chunks are half of one).
-    ahead = _threads.pool(1, "oneload-readahead") if len(plan.rounds) > 1 else None
+    from concurrent.futures import ThreadPoolExecutor
+
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="oneload-readahead") if len(plan.rounds) > 1 else None
     pending, error = None, None
     try:
         for j, rnd in enumerate(plan.rounds):

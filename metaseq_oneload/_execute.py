@@ -20,7 +20,6 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _threads
 from ._dist import Group, first_failure
 from ._errors import CheckpointLayoutError
 from ._exchange import exchange_loop
@@ -145,9 +144,9 @@ def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader,
                 progress(w.out.numel() * w.out.element_size())
     if not pooled:
         return
-    from concurrent.futures import as_completed
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    pool = _threads.pool(threads, "oneload-fill")
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="oneload-fill")
     try:
         futures = {pool.submit(fill, targets[w.name], w.out, w.start, reader): w for w in pooled}
         for f in as_completed(futures):

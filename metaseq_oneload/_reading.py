@@ -315,7 +315,10 @@ class RangeReader:
         if self._pool is None or self._pool_pid != os.getpid():
             with self._lock:
                 if self._pool is None or self._pool_pid != os.getpid():
-                    self._pool = _threads.pool(max(1, self.read_threads - 1), "oneload-read")  # +the caller
+                    import concurrent.futures
+
+                    self._pool = concurrent.futures.ThreadPoolExecutor(  # the caller is the last reader
+                        max_workers=max(1, self.read_threads - 1), thread_name_prefix="oneload-read")
                     self._pool_pid = os.getpid()
         return self._pool
 

@@ -45,7 +45,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-from . import _threads
 from ._errors import MissingRemoteExtraError, OneloadError, RemoteObjectChangedError, RemoteStoreError
 from ._settings import REMOTE, Settings, from_env, variable
 
@@ -532,5 +531,6 @@ def pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     with _POOL_LOCK:
         found = _POOLS.get((n, os.getpid()))
         if found is None:
-            found = _POOLS[(n, os.getpid())] = _threads.pool(n, "oneload-get")
+            found = _POOLS[(n, os.getpid())] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=n, thread_name_prefix="oneload-get")
         return found

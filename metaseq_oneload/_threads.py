@@ -1,69 +1,39 @@
-"""Worker threads that leave the process's signals to its main thread.
+"""Interrupts that reach the main thread in time, and are never committed.
 
 A signal sent to a process (Ctrl-C's SIGINT, a scheduler's SIGTERM) goes to any one of its
-threads that does not block it; on a process that was stopped (Ctrl-Z, a scheduler's
-suspend) and resumed, to whichever thread runs first. CPython 3.11 and older on POSIX run
-the Python handler only on the main thread and, when another thread took the signal, do
-not tell the main thread's interpreter loop (``_PyEval_SignalReceived`` does not force its
-eval breaker there): the ``KeyboardInterrupt`` then comes late, inside a finalizer that
-swallows it, or never, and an interrupted export ran to its end and exited 0. Two
-measures, since threads this package did not start (torch's, from its import and its
-OpenMP pool) take signals too:
+threads; to a process that was stopped (Ctrl-Z, a scheduler's suspend) and resumed, to
+whichever thread runs first: one of the package's pools, or one of torch's own threads.
+CPython 3.11 and older on POSIX run the Python handler only on the main thread and, when
+another thread took the signal, do not tell the main thread's interpreter loop
+(``_PyEval_SignalReceived`` does not set its eval breaker there): the ``KeyboardInterrupt``
+then came late, inside a finalizer that drops it ("Exception ignored"), or never, and an
+interrupted export ran to its end and exited 0. Two measures:
 
-* every thread this package starts blocks the signals a program handles, so the kernel
-  hands them to the main thread rather than to one of ours;
-* :func:`check_signals`, on the main thread, runs the handlers of any signal another
-  thread took: the writers call it for each chunk and before they commit (a rename into
-  place), the readers for each large read, so Ctrl-C stops a verb within one chunk.
+* :func:`check_signals`, on the main thread, runs the handlers of any signal that arrived on
+  any thread: writers call it for each chunk and before they commit (a rename into place),
+  readers for each large read, so Ctrl-C stops a verb within one chunk;
+* under :func:`interruptible` (the command line's verbs) each SIGINT (and SIGTERM, for the
+  verbs that write) is also recorded, and ``check_signals(commit=True)`` raises it again:
+  an interrupted writer does not move its output into place, even where the first exception
+  was lost. A signal after that last check lets the finished output stand (the verb still
+  exits as interrupted).
 
-A handler's exception can still be lost where it lands in a finalizer (CPython prints
-"Exception ignored" and goes on). Under :func:`interruptible` (the command line's verbs)
-the signal is also recorded, and :func:`check_signals` with ``commit=True`` raises it
-again: an interrupted writer never moves its output into place.
+The package's threads leave the signal mask alone: a mask they blocked would pass to every
+process started from them (a credential helper, a user's progress callback's child), which
+Ctrl-C and SIGTERM could then no longer stop.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import signal
 import threading
-from typing import Callable, Iterator
+from typing import Iterator
+
+__all__ = ["check_signals", "interruptible"]
 
 _MAIN = threading.main_thread()
 _RECORDED: list = []  # signals that arrived under interruptible(), in order
-
-__all__ = ["pool", "thread", "check_signals", "interruptible", "DEFERRED"]
-
-# Sent to the whole process and meant for the program's own handlers (or their default
-# action, which ends the whole process whichever thread is chosen). Not the faults
-# (SIGSEGV, SIGBUS, SIGFPE), which the kernel sends to the thread that caused them.
-DEFERRED = frozenset(getattr(signal, name) for name in
-                     ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
-                     if hasattr(signal, name))
-
-
-def _leave_signals() -> None:
-    if hasattr(signal, "pthread_sigmask"):  # POSIX; elsewhere signals already go to the main thread
-        signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED)
-
-
-def pool(max_workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """(local) A thread pool whose threads block :data:`DEFERRED` (named ``name``)."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name,
-                                                 initializer=_leave_signals)
-
-
-def thread(target: Callable[[], None], name: str, daemon: bool = True) -> threading.Thread:
-    """(local) A started thread running ``target`` with :data:`DEFERRED` blocked."""
-
-    def run() -> None:
-        _leave_signals()
-        target()
-
-    t = threading.Thread(target=run, name=name, daemon=daemon)
-    t.start()
-    return t
 
 
 def check_signals(commit: bool = False) -> None:
@@ -94,20 +64,30 @@ def _record(signum: int, frame) -> None:
 
 
 @contextlib.contextmanager
-def interruptible() -> Iterator[None]:
+def interruptible(term: bool = False) -> Iterator[None]:
     """(local, main thread; elsewhere a no-op) While inside, SIGINT raises
-    ``KeyboardInterrupt`` and SIGTERM ``SystemExit(143)`` (both unwind, so temporary files are
-    removed), and each is recorded for :func:`check_signals`'s ``commit``. The previous
-    handlers come back on exit, and the record is cleared."""
+    ``KeyboardInterrupt`` and, with ``term``, SIGTERM raises ``SystemExit(143)`` (both unwind,
+    so temporary files are removed), each recorded for :func:`check_signals`'s ``commit``.
+    Without ``term`` SIGTERM keeps its handler (by default it ends the process at once: a verb
+    that writes nothing has nothing to unwind, and a thread stuck in a read would hold up an
+    orderly exit). The previous handlers come back on exit and the record is cleared, with
+    both signals held off meanwhile so that a late one cannot cut the restore short."""
     if threading.current_thread() is not _MAIN:
         yield
         return
+    _RECORDED.clear()
     previous: dict = {}
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM) if term else (signal.SIGINT,):
             previous[sig] = signal.signal(sig, _record)
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _RECORDED.clear()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, previous) if hasattr(signal, "pthread_sigmask") else None
+        try:
+            for sig, handler in previous.items():
+                # None: a handler installed from C, which Python cannot put back (the default instead)
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            _RECORDED.clear()
+        finally:
+            if mask is not None:  # one held off meanwhile goes to the handler just put back
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)

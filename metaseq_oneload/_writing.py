@@ -38,7 +38,6 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from . import _threads
 from ._allowlist import allowlisted
 from ._errors import ConversionError, UnsafeCheckpointError
 from ._execute import ReadItem, stream
@@ -131,7 +130,7 @@ def executor_chunks(sources: Mapping[str, Any], reader, chunk_bytes: int,
     buffer = torch.empty(max(1 << 12, chunk_bytes // 64 * 64), dtype=torch.uint8)
     pool = None
     if tap is not None:
-        pool = _threads.pool(1, "oneload-digest")
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oneload-digest")
 
     def chunks(rec: Record) -> Iterator[torch.Tensor]:
         for item, data in stream(rec.items, sources, reader, buffer.numel(), buffer):

@@ -18,11 +18,12 @@ declared here, and the modules that import torch are imported only when a comman
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from . import __version__
 from ._errors import OneloadError, os_error_message, out_of_resources, resource_problem
@@ -559,6 +560,28 @@ _COMMANDS.update({
 })
 
 
+_WRITERS = frozenset({"convert", "consolidate", "export-hf"})
+
+
+@contextlib.contextmanager
+def _quiet_shortages() -> Iterator[None]:
+    """While a verb runs, a MemoryError that Python cannot raise (in a finalizer, a
+    generator closed by the collector) is not printed as "Exception ignored ... Traceback":
+    the machine ran short, and the verb's own error (:func:`._errors.out_of_resources`) says
+    so once, with what to do. Anything else goes to the hook as before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, MemoryError):  # (allocates nothing: memory is short)
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building it (and printing any --help) imports no torch."""
     parser = argparse.ArgumentParser(
@@ -584,9 +607,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _SUBPARSER = args._parser
     try:
-        # SIGINT and SIGTERM unwind (temporary files go) and are recorded: an output is
-        # never moved into place after either, even where its exception was lost
-        with interruptible():
+        # SIGINT (and SIGTERM, for the verbs that write) unwinds, so temporary files go, and is
+        # recorded: no output is moved into place after it, even where its exception was lost
+        with interruptible(term=args.command in _WRITERS), _quiet_shortages():
             return int(args._fn(args) or 0)
     except BrokenPipeError:  # stdout closed early (| head): stop quietly, as cat does
         try:

@@ -8,6 +8,7 @@ The family modules (:mod:`.metaseq`, :mod:`.plain`) add what only they know (wha
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import glob
@@ -18,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from .. import _storage, _threads
+from .. import _storage
 from .._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OutOfResourcesError,
                        cap_list as _cap, os_error_message)
 from .._layout import CheckpointFile, FileName, omegaconf_types
@@ -523,7 +524,7 @@ def _check_grid(fs: FileSet) -> tuple:
 
 
 def _read_headers(paths: Sequence[str]) -> dict:
-    with _threads.pool(min(8, max(1, len(paths))), "oneload-header") as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
         return dict(zip(paths, pool.map(read_header, paths)))
 
 # --------------------------------------------------------------------------- sets of files

@@ -566,19 +566,11 @@ def test_an_interrupt_whose_exception_was_lost_still_stops_the_export_moving_int
     # CPython drops an exception raised in a finalizer ("Exception ignored"), and a signal
     # another thread took reaches the main thread's handler at any later point: a Ctrl-C whose
     # KeyboardInterrupt was lost so must still keep the export from being moved into place.
-    import gc
-
     from metaseq_oneload import _threads
-
-    class Finalized:
-        def __del__(self):
-            os.kill(os.getpid(), signal.SIGINT)
-            signal.pthread_sigmask(signal.SIG_BLOCK, ())  # its handler raises here, in the finalizer
 
     dst = tmp_path / "opt"
     with _threads.interruptible():  # as the command line runs its verbs
-        Finalized()
-        gc.collect()
+        _lose_an_interrupt()
         _threads.check_signals()  # nothing pending: the handler already ran (and its exception was lost)
         with pytest.raises(KeyboardInterrupt):
             export_hf(FIXTURES / "singleton", dst)
@@ -588,30 +580,51 @@ def test_an_interrupt_whose_exception_was_lost_still_stops_the_export_moving_int
     assert (dst / "config.json").exists()
 
 
-def test_the_threads_the_package_starts_leave_signals_to_the_main_thread():
-    import threading
 
+def _lose_an_interrupt() -> None:
+    """A SIGINT whose KeyboardInterrupt CPython drops: raised inside a finalizer."""
+    import gc
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, ())  # its handler raises here, in the finalizer
+
+    Finalized()
+    gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost one, on purpose
+def test_an_interrupted_dcp_convert_over_an_existing_folder_leaves_it_whole(tmp_path):
+    from metaseq_oneload import _threads, convert
+
+    dst = tmp_path / "dcp"
+    convert(str(FIXTURES / "singleton"), str(dst), format="dcp")
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    with _threads.interruptible():
+        _lose_an_interrupt()
+        with pytest.raises(KeyboardInterrupt):
+            convert(str(FIXTURES / "singleton"), str(dst), format="dcp", overwrite=True)
+    # the .metadata (unlinked before an overwrite's renames) included
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+
+
+def test_interruptible_puts_the_handlers_back_and_forgets_what_it_recorded():
     from metaseq_oneload import _threads
 
-    want = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
-
-    def blocked() -> int:
-        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
-            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
-
-    with _threads.pool(2, "test") as pool:
-        assert pool.submit(blocked).result() & want == want
-    got = []
-    _threads.thread(lambda: got.append(blocked()), "test").join()
-    assert got[0] & want == want
-    assert blocked() & want == 0  # this (main) thread still takes them
-
-
-def test_every_thread_the_package_starts_comes_from_its_one_helper():
-    import metaseq_oneload
-
-    root = Path(metaseq_oneload.__file__).parent
-    found = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") if p.name != "_threads.py"
-             for n, line in enumerate(p.read_text().splitlines(), 1)
-             if "ThreadPoolExecutor(" in line or "threading.Thread(" in line]
-    assert not found, f"threads started outside metaseq_oneload/_threads.py: {found}"
+    mine = signal.signal(signal.SIGINT, lambda *a: None)
+    try:
+        term = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            with _threads.interruptible():
+                assert signal.getsignal(signal.SIGTERM) is term  # a verb that writes nothing: the default
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        assert signal.getsignal(signal.SIGINT) is not None and signal.getsignal(signal.SIGTERM) is term
+        assert signal.getsignal(signal.SIGINT).__name__ == "<lambda>"
+        _threads.check_signals(commit=True)  # nothing recorded any more
+        with _threads.interruptible(term=True):
+            assert signal.getsignal(signal.SIGTERM) is not term
+        assert signal.getsignal(signal.SIGTERM) is term
+    finally:
+        signal.signal(signal.SIGINT, mine)

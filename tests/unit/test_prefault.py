@@ -92,3 +92,35 @@ def test_large_reads_prefault_their_destination_and_small_ones_do_not(saved, mon
         small = _read(path, "small", reader)
         assert asked == []  # under 1 MiB: a call would cost more than the faults it saves
     assert torch.equal(big, sd["big"]) and torch.equal(small, sd["small"])
+
+
+class _CountingLibc:
+    """The process's libc, with its madvise calls counted (everything else passed through)."""
+
+    def __init__(self, libc):
+        self._libc, self.madvise_calls = libc, 0
+
+    def madvise(self, *args):
+        self.madvise_calls += 1
+        return self._libc.madvise(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._libc, name)
+
+
+@needs_populate
+def test_a_destination_already_mapped_is_left_alone(monkeypatch):
+    # (a reused staging buffer, a module's parameters: walking mapped pages cost more than it saved)
+    _pagecache._populates()
+    counting = _CountingLibc(_pagecache._LIBC)
+    monkeypatch.setattr(_pagecache, "_LIBC", counting)
+    fresh = mmap.mmap(-1, 4 * MiB)  # anonymous: nothing mapped until touched
+    view = (ctypes.c_char * (4 * MiB)).from_buffer(fresh)
+    _pagecache.prefault(ctypes.addressof(view), 4 * MiB)
+    assert counting.madvise_calls == 1
+    _pagecache.prefault(ctypes.addressof(view), 4 * MiB)  # mapped by the first call now
+    del view
+    fresh.close()
+    touched = torch.zeros(4 * MiB, dtype=torch.uint8)
+    _pagecache.prefault(touched.data_ptr(), touched.numel())
+    assert counting.madvise_calls == 1
