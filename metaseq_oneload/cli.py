@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from . import __version__
 from ._errors import OneloadError, os_error_message, out_of_resources, resource_problem
-from ._threads import interruptible
+from ._threads import check_signals, interruptible
 
 __all__ = ["main", "build_parser"]
 
@@ -564,15 +564,17 @@ _WRITERS = frozenset({"convert", "consolidate", "export-hf"})
 
 
 @contextlib.contextmanager
-def _quiet_shortages() -> Iterator[None]:
-    """While a verb runs, a MemoryError that Python cannot raise (in a finalizer, a
-    generator closed by the collector) is not printed as "Exception ignored ... Traceback":
-    the machine ran short, and the verb's own error (:func:`._errors.out_of_resources`) says
-    so once, with what to do. Anything else goes to the hook as before."""
+def _quiet_unraisable() -> Iterator[None]:
+    """While a verb runs, an exception Python cannot raise (in a finalizer, a generator
+    closed by the collector) is not printed as "Exception ignored ... Traceback" when it is
+    a MemoryError (the machine ran short: the verb's own error, :func:`._errors.out_of_resources`,
+    says so once, with what to do) or an interrupt (recorded by :func:`._threads.interruptible`:
+    raised again before any commit and when the verb ends). Anything else goes to the hook
+    as before."""
     previous = sys.unraisablehook
 
-    def hook(unraisable) -> None:
-        if not isinstance(unraisable.exc_value, MemoryError):  # (allocates nothing: memory is short)
+    def hook(unraisable) -> None:  # (allocates nothing: memory may be short)
+        if not isinstance(unraisable.exc_value, (MemoryError, KeyboardInterrupt, SystemExit)):
             previous(unraisable)
 
     sys.unraisablehook = hook
@@ -609,8 +611,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         # SIGINT (and SIGTERM, for the verbs that write) unwinds, so temporary files go, and is
         # recorded: no output is moved into place after it, even where its exception was lost
-        with interruptible(term=args.command in _WRITERS), _quiet_shortages():
-            return int(args._fn(args) or 0)
+        with interruptible(term=args.command in _WRITERS), _quiet_unraisable():
+            code = int(args._fn(args) or 0)
+            check_signals(commit=True)  # an interrupt whose exception was lost still ends as one
+            return code
     except BrokenPipeError:  # stdout closed early (| head): stop quietly, as cat does
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -628,3 +628,31 @@ def test_interruptible_puts_the_handlers_back_and_forgets_what_it_recorded():
         assert signal.getsignal(signal.SIGTERM) is term
     finally:
         signal.signal(signal.SIGINT, mine)
+
+
+_INSPECT_LOSING_AN_INTERRUPT = textwrap.dedent("""
+    import gc, os, signal, sys
+    from metaseq_oneload import cli
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, ())  # its handler raises here, in the finalizer
+
+    real = cli._COMMANDS["inspect"]
+
+    def losing(args):
+        Finalized()
+        gc.collect()
+        return real[0](args)
+
+    cli._COMMANDS["inspect"] = (losing,) + real[1:]
+    sys.exit(cli.main(["inspect", sys.argv[1]]))
+""")
+
+
+def test_a_command_whose_interrupt_was_lost_still_ends_as_interrupted_and_quietly():
+    r = subprocess.run([sys.executable, "-c", _INSPECT_LOSING_AN_INTERRUPT, str(FIXTURES / "singleton")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == "metaseq-oneload: interrupted"  # no "Exception ignored ... Traceback"
