@@ -49,10 +49,16 @@ MADV_DONTNEED, MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 4, 22, 23  # Linux's n
 _prefaults: list = []  # [whether this kernel takes MADV_POPULATE_WRITE], once asked
 
 
+def _whole_pages(address: int, nbytes: int) -> tuple:
+    """(first, end) of the whole pages inside ``nbytes`` at ``address``: advice never
+    reaches the bytes of a neighbour sharing a page at either edge."""
+    return -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+
+
 def advise(address: int, nbytes: int, advice: int) -> bool:
     """(local) ``madvise`` over the whole pages inside ``nbytes`` at ``address``; whether the
     kernel took it (best effort: where it did not, the pages are as they were)."""
-    lo, hi = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+    lo, hi = _whole_pages(address, nbytes)
     if hi <= lo or _LIBC is None or not hasattr(_LIBC, "madvise"):
         return False
     return _LIBC.madvise(lo, hi - lo, advice) == 0
@@ -87,12 +93,10 @@ def prefault(address: int, nbytes: int) -> None:
     whole pages are mapped already (a reused staging buffer, a module's parameters) is left
     alone: there the walk over mapped pages cost more than the read saved (about 130 ns per
     page against a warm copy's 5 ms per 64 MiB). Nothing where the kernel lacks the advice."""
-    lo, hi = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
-    if hi <= lo or _LIBC is None or not _populates():
+    lo, hi = _whole_pages(address, nbytes)
+    if hi <= lo or _LIBC is None or not _populates() or (_mapped(lo) and _mapped(hi - _PAGE)):
         return
-    if _mapped(lo) and _mapped(hi - _PAGE):
-        return
-    _LIBC.madvise(lo, hi - lo, _MADV_POPULATE_WRITE)  # a refusal (ENOMEM, EFAULT) leaves the faults to preadv
+    advise(lo, hi - lo, _MADV_POPULATE_WRITE)  # a refusal (ENOMEM, EFAULT) leaves the faults to preadv
 
 
 def _address_space_unlimited() -> bool:

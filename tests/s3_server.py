@@ -241,6 +241,19 @@ def proxy_control(url: str, what: str) -> dict:
         return json.loads(r.read())
 
 
+def running_endpoint():
+    """The body of a test module's endpoint fixture (``yield from running_endpoint()``): an
+    :class:`S3Endpoint`, stopped after the module; the module skips where moto's server or
+    s3fs is not installed."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    ep = S3Endpoint()
+    try:
+        yield ep
+    finally:
+        ep.stop()
+
+
 class S3Endpoint:
     """moto on 127.0.0.1 plus the counting, failing proxy in front of it, in a process of
     their own (so that what the test process allocates and fetches is the package's alone)."""

@@ -35,13 +35,9 @@ def _folder(tmp_path):
 
 @pytest.fixture(scope="module")
 def endpoint():
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    from tests.s3_server import S3Endpoint
+    from tests.s3_server import running_endpoint
 
-    ep = S3Endpoint()
-    yield ep
-    ep.stop()
+    yield from running_endpoint()
 
 
 def test_describing_a_folder_fetches_each_items_header_not_its_tail(endpoint, tmp_path, monkeypatch):

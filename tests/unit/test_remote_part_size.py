@@ -25,13 +25,9 @@ DELAY_S = 0.3  # what moto itself takes per GET on this machine (docs/dcp.md, Be
 
 @pytest.fixture(scope="module")
 def endpoint():
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    from tests.s3_server import S3Endpoint
+    from tests.s3_server import running_endpoint
 
-    ep = S3Endpoint()
-    yield ep
-    ep.stop()
+    yield from running_endpoint()
 
 
 @pytest.fixture
