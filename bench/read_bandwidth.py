@@ -40,7 +40,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.append(os.path.dirname(HERE))  # after PYTHONPATH: single_load --baseline puts its package first
 
 from bench._report import drop_cache, print_table, proc_io  # noqa: E402
 

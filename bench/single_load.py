@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/single_load.py [--gib 0.25 0.5 1 2] [--repeat 3] [--json] [--keep DIR]
                                           [--cache warm|cold|both] [--only ours,auto,direct,...]
+                                          [--baseline DIR]
 
 For each size, a synthetic fp32 metaseq singleton (``bench/_synth.py``; the same weights
 also saved as .safetensors beside it, each storage once) is loaded in a fresh process per
@@ -18,7 +19,9 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
   fresh memory; safetensors' ``load_file`` (which maps the file: nothing is read until
   touched) then a copy of every tensor into fresh memory; fastsafetensors' ``fastsafe_open``
   on CPU (``nogds``), where it is installed (``pip install fastsafetensors``; not a
-  requirement: the row is left out without it, and a run that fails shows its error).
+  requirement: the row is left out without it, and a run that fails shows its error);
+* with ``--baseline DIR``, the engine again from the package in ``DIR`` (say
+  ``git archive REV metaseq_oneload | tar -x -C DIR``): a change's effect, in the same rounds.
 
 Warm: the files are in the page cache. Cold: ``posix_fadvise(DONTNEED)`` on the files before
 each run (``read_bytes`` shows each run fetched the file from the device). Rows alternate
@@ -62,6 +65,17 @@ _ALL = {
     "fastst": ("fastsafetensors (cpu, nogds)", "fastsafetensors", 1, {}),
 }
 _ONLY: tuple = ()
+
+
+def _baseline(folder: str) -> None:
+    """A row for the package in ``folder`` (``folder/metaseq_oneload``), first on the child's
+    path: another version of the engine, timed in the same rounds as this one."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))}
+    row = (f"oneload, the package in {folder}", "engine", 8, env)
+    rows = list(_ALL.items())
+    at = [k for k, _ in rows].index("ours") + 1  # beside the row it is compared with
+    _ALL.clear()
+    _ALL.update(rows[:at] + [("baseline", row)] + rows[at:])
 
 
 def _modes() -> list:
@@ -139,9 +153,17 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="write the checkpoints into this folder and keep them (reused when there)")
     ap.add_argument("--cache", choices=("warm", "cold", "both"), default="both", help="which cache states")
     ap.add_argument("--only", help=f"comma-separated rows besides the limit's: {', '.join(_ALL)}")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also time the package in DIR (DIR/metaseq_oneload, e.g. from git archive) in the same rounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     global _ONLY
+    if args.baseline:
+        if not os.path.isfile(os.path.join(args.baseline, "metaseq_oneload", "__init__.py")):
+            ap.error(f"--baseline: {args.baseline} holds no metaseq_oneload package")
+        _baseline(os.path.abspath(args.baseline))
+        if args.only:
+            args.only += ",baseline"
     if args.only:
         _ONLY = tuple(k.strip() for k in args.only.split(","))
         unknown = [k for k in _ONLY if k not in _ALL]

@@ -26,10 +26,11 @@ from ._exchange import exchange_loop
 from ._layout import StoredTensor
 from ._plan import BlockCopy, FlatCopy, TargetTensor
 from ._read_hints import sharing_requests
+from ._reading import RangeReader
 from ._storage import is_url
 
-__all__ = ["ReadItem", "Want", "fill", "fill_all", "stream", "read_stored", "plain_runs", "execute", "counting",
-           "sum64", "pieces", "bucket_need"]
+__all__ = ["ReadItem", "Want", "fill", "fill_all", "stream", "read_stored", "stored_parts", "plain_runs", "byte_runs",
+           "execute", "counting", "sum64", "pieces", "bucket_need"]
 
 
 @dataclass(frozen=True)
@@ -61,20 +62,28 @@ class ReadItem:
 
 def read_stored(src: StoredTensor, start: int, out: torch.Tensor, reader) -> None:
     """Elements ``start..`` of a stored tensor (flattened) into 1-D ``out``."""
-    n = out.numel()
-    pos, filled = 0, 0
+    for ext, at, lo, hi in stored_parts(src, start, out.numel()):
+        reader.read_extent(ext, at, out[lo:hi], src.dtype)
+
+
+def stored_parts(src: StoredTensor, start: int, n: int) -> list:
+    """(extent, its element ``at``, ``lo``, ``hi``): elements ``lo..hi`` of a read of ``n``
+    elements of ``src`` from ``start`` on are the extent's from ``at`` on. Every element is
+    covered, or nothing is read: a destination is never left partly unwritten, silently."""
+    parts, pos, filled = [], 0, 0
     for ext in src.extents:
         lo, hi = max(start, pos), min(start + n, pos + ext.numel)
         if lo < hi:
-            reader.read_extent(ext, lo - pos, out[lo - start: hi - start], src.dtype)
+            parts.append((ext, lo - pos, lo - start, hi - start))
             filled += hi - lo
         pos += ext.numel
         if pos >= start + n:
             break
-    if filled != n:  # never leave part of a destination silently unwritten
+    if filled != n:
         raise CheckpointLayoutError(
             f"{src.name}: the stored pieces cover {filled} of the {n} elements wanted at offset {start} "
             f"(the tensor holds {src.numel}); the checkpoint's metadata does not match its tensors.")
+    return parts
 
 
 def fill(target: TargetTensor, out: torch.Tensor, start: int, reader) -> None:
@@ -130,9 +139,11 @@ def plain_runs(target: TargetTensor) -> bool:
 
 def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader, progress,
               threads: Optional[int] = None) -> None:
-    """(local) Fill every want. Wants read by plain offsets go a few at a time, so that the
-    reads (and page faults) of many small tensors overlap as one large tensor's pieces do
-    inside the reader; the others, and progress, stay on this thread."""
+    """(local) Fill every want. Wants read by plain offsets into memory of their stored dtype
+    go to the reader as one list of byte runs, read in file order on its threads
+    (``RangeReader.read_runs``); those that want a cast go a few at a time, so that the reads
+    (and page faults) of many small tensors overlap as one large tensor's pieces do inside the
+    reader; the others, and progress, stay on this thread."""
     threads = threads or min(4, getattr(reader, "read_threads", 1))
     pooled = [w for w in wants if threads > 1 and plain_runs(targets[w.name])]
     ids = {id(w) for w in pooled}
@@ -143,6 +154,10 @@ def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader,
             if progress:
                 progress(w.out.numel() * w.out.element_size())
     if not pooled:
+        return
+    runs = byte_runs(targets, pooled) if isinstance(reader, RangeReader) else None
+    if runs is not None:  # (a reader that wraps one, to see the bytes, keeps its read_extent)
+        reader.read_runs(runs, progress)
         return
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -156,6 +171,27 @@ def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader,
                 progress(w.out.numel() * w.out.element_size())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def byte_runs(targets: Mapping[str, TargetTensor], wants: Sequence[Want]) -> Optional[list]:
+    """(path, file offset, destination) for every element of ``wants`` (each planned as
+    :func:`plain_runs`), as :func:`fill` would read them: ``RangeReader.read_runs`` reads such
+    a list in file order. None where a destination wants a cast, or is not contiguous CPU
+    memory: those go through :func:`fill`."""
+    runs = []
+    for w in wants:
+        if w.out.device.type != "cpu" or not w.out.is_contiguous():
+            return None
+        for c in targets[w.name].copies:
+            lo, hi = max(w.start, c.dst_start), min(w.stop, c.dst_start + c.length)
+            if lo >= hi:
+                continue
+            if c.src.dtype != w.out.dtype:
+                return None
+            out, size = w.out[lo - w.start: hi - w.start], w.out.element_size()
+            for ext, at, a, b in stored_parts(c.src, c.src_start + lo - c.dst_start, hi - lo):
+                runs.append((ext.path, ext.byte_offset + at * size, out[a:b]))
+    return runs
 
 
 def stream(items: Sequence[ReadItem], targets: Mapping[str, TargetTensor], reader, chunk_bytes: int,
