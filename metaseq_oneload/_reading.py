@@ -327,11 +327,12 @@ class RangeReader:
         the piece size in the file, so pieces fall on the same boundaries whoever asks."""
         if self.read_threads <= 1 or n < 2 * _MIN_PIECE:
             return [(0, n)]
-        size = min(self.split_bytes, -(-n // self.read_threads))
-        size = -(-size // _MIN_PIECE) * _MIN_PIECE
-        cuts = list(range(-(-(offset + 1) // size) * size - offset, n, size))
-        edges = [0] + cuts + [n]
-        return list(zip(edges, edges[1:]))
+        return _cut(offset, n, self._piece_size(n))
+
+    def _piece_size(self, nbytes: int) -> int:
+        """The piece for ``nbytes`` shared out over the threads: at most ``split_bytes``, whole MiB."""
+        size = min(self.split_bytes, -(-nbytes // self.read_threads))
+        return -(-size // _MIN_PIECE) * _MIN_PIECE
 
     def _read_piece(self, path: str, offset: int, view: memoryview) -> int:
         """Bytes of ``view`` filled from file ``offset`` on; fewer than asked only where the
@@ -496,8 +497,9 @@ class RangeReader:
         The runs are read in file order, cut where the file's pieces end (as one large read
         is cut), each piece taken by the next free one of ``read_threads`` threads: the read
         limit's own pattern. Filling a few tensors at once, each cut into pieces, put the
-        device's requests out of file order: cold, 1 GiB on this VM, 0.78-0.80x of the limit
-        against 0.99x (``bench/single_load.py``). ``progress(nbytes)`` is called on this
+        device's requests out of file order: cold, 1 GiB on this VM, 0.97x of the limit
+        against 1.35x by medians (``bench/single_load.py --baseline``; docs/performance.md,
+        fifth stop). ``progress(nbytes)`` is called on this
         thread as pieces finish. Every piece started has finished before anything is raised
         (they write into the destinations); after a failure no piece starts.
 
@@ -550,9 +552,7 @@ class RangeReader:
         in all would not keep every thread busy; runs of under two minimum pieces whole), in
         file order (the pieces, not the runs: two runs over the same bytes, into two
         destinations, interleave)."""
-        total = sum(out.numel() * out.element_size() for *_, out in runs)
-        size = min(self.split_bytes, -(-total // self.read_threads))
-        size = -(-size // _MIN_PIECE) * _MIN_PIECE
+        size = self._piece_size(sum(out.numel() * out.element_size() for *_, out in runs))
         jobs = []
         for path, offset, out in runs:
             n = out.numel() * out.element_size()
@@ -560,8 +560,7 @@ class RangeReader:
                 jobs.extend([(path, offset, out)] if n else [])
                 continue
             raw = out.view(torch.uint8)  # many elements, contiguous: cut anywhere
-            edges = [0, *range(-(-(offset + 1) // size) * size - offset, n, size), n]
-            jobs.extend((path, offset + a, raw[a:b]) for a, b in zip(edges, edges[1:]))
+            jobs.extend((path, offset + a, raw[a:b]) for a, b in _cut(offset, n, size))
         jobs.sort(key=lambda j: (j[0], j[1]))
         return jobs
 
@@ -650,6 +649,13 @@ class RangeReader:
         """The same elements through ``torch.load(mmap=True)``: an independent path used by
         ``verify=True`` to check the byte arithmetic of :meth:`read_extent`."""
         return self._object_tensor(ext)[start: start + n]
+
+
+def _cut(offset: int, n: int, size: int) -> list:
+    """(start, stop) within a read of ``n`` bytes at file ``offset``, cut at the multiples of
+    ``size`` in the file: pieces fall on the same boundaries whoever asks."""
+    edges = [0, *range(-(-(offset + 1) // size) * size - offset, n, size), n]
+    return list(zip(edges, edges[1:]))
 
 
 def _pread_full(fd: int, offset: int, view: memoryview, block: int = 0) -> int:
