@@ -157,16 +157,33 @@ _MALFORMED = (ValueError, TypeError, AttributeError, LookupError, RecursionError
 
 def resource_problem(e: BaseException) -> "str | None":
     """What ran out, where ``e`` is the machine running short (memory, threads) rather than
-    a file's fault or a bug; else None."""
+    a file's fault or a bug; else None. An error raised while a shortage was being handled
+    (an ImportError, a SystemError or a KeyError met on the way out of a MemoryError: its
+    ``__context__``) is the shortage's too, so the chain of causes is searched."""
+    seen: set = set()
+    while e is not None and id(e) not in seen and len(seen) < 32:
+        seen.add(id(e))
+        what = _ran_short(e)
+        if what is not None:
+            return what
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    return None
+
+
+def _ran_short(e: BaseException) -> "str | None":
     if isinstance(e, OutOfResourcesError):
         return None  # already said
     if isinstance(e, MemoryError):
         return f"memory (MemoryError{': ' + str(e) if str(e) else ''})"
+    if isinstance(e, OSError) and e.errno == errno.ENOMEM and not isinstance(e, OneloadError):
+        # an mmap, a read or a fork refused for memory (not EAGAIN: a pipe's BlockingIOError has it too)
+        return f"memory ({type(e).__name__}: {e})"
     if isinstance(e, RuntimeError) and not isinstance(e, OneloadError):
         text = str(e)
-        if "can't start new thread" in text:
+        if "can't start new thread" in text or "can't create new thread" in text:
             return f"threads (RuntimeError: {text})"
-        if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+        if (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "bad_alloc" in text
+                or "not enough memory" in text or "Cannot allocate memory" in text):
             return f"memory ({type(e).__name__}: {text[:300]})"
     return None
 
@@ -192,9 +209,14 @@ def reading(path: "str | os.PathLike") -> Iterator[None]:
         yield
     except OneloadError:
         raise
-    except OSError as e:
-        raise unreadable(path, e) from e
-    except _MALFORMED as e:
+    except Exception as e:  # noqa: BLE001  (sorted below: the machine's, the file's, or ours)
+        what = resource_problem(e)
+        if what is not None:  # first: an AttributeError met while a MemoryError unwound is no bad file
+            raise out_of_resources(what, path) from e
+        if isinstance(e, OSError):
+            raise unreadable(path, e) from e
+        if not isinstance(e, _MALFORMED):
+            raise  # a bug: its traceback, CLI exit 3
         text = str(e).rstrip(". ") or "no details"
         text = text if len(text) <= 300 else text[:300] + " ..."
         raise MalformedCheckpointError(
@@ -203,11 +225,6 @@ def reading(path: "str | os.PathLike") -> Iterator[None]:
             "a structure that does not hold together); nothing from it was used. Re-create or re-copy the file. If "
             "torch.load(path, weights_only=True) reads it as the checkpoint you expect, this is a bug in "
             "metaseq-oneload: please report it with the traceback (CLI: --debug).") from e
-    except (MemoryError, RuntimeError) as e:  # the machine's, or a bug (after _MALFORMED: RecursionError is one)
-        what = resource_problem(e)
-        if what is None:
-            raise
-        raise out_of_resources(what, path) from e
 
 
 def cap_list(items, n: int = 5, fmt=str, sep: str = ", ") -> str:

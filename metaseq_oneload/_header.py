@@ -35,7 +35,7 @@ import torch
 
 from . import _storage
 from ._allowlist import allowlisted
-from ._errors import CheckpointLayoutError, OneloadError, UnsafeCheckpointError, os_error_message
+from ._errors import CheckpointLayoutError, OneloadError, UnsafeCheckpointError, os_error_message, resource_problem
 from ._opscan import stream, torch_opcodes_only
 from ._unpickle import MAX_DEPTH, header as one_pass, last_element, storage_of, storage_record, too_deep_error
 from ._zip import ZipIndex, bad_zip, file_kind, record_bytes, stat_key, zip_index
@@ -504,6 +504,8 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
     except OneloadError:  # a remote file's own refusal, already in our words
         raise
     except RuntimeError as e:
+        if resource_problem(e) is not None:
+            raise  # the machine ran short, not the file: the reading boundary says so
         msg = str(e)
         if "central directory" in msg or "zip archive" in msg or "PytorchStreamReader" in msg:
             raise CheckpointLayoutError(
@@ -520,10 +522,12 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
             ) from e
         raise _unrebuildable(path, e, trust_pickle) from e
     except OSError as e:
+        if resource_problem(e) is not None:
+            raise
         raise CheckpointLayoutError(os_error_message(e, path)) from e
-    except MemoryError:
-        raise
     except Exception as e:  # noqa: BLE001 - whatever an allowlisted call or a crafted opcode raised in torch's loader
+        if resource_problem(e) is not None:
+            raise  # the machine ran short, not the file (a MemoryError; an error met unwinding one)
         raise _unrebuildable(path, e, trust_pickle) from e
 
 
