@@ -159,32 +159,45 @@ def resource_problem(e: BaseException) -> "str | None":
     """What ran out, where ``e`` is the machine running short (memory, threads) rather than
     a file's fault or a bug; else None. An error raised while a shortage was being handled
     (an ImportError, a SystemError or a KeyError met on the way out of a MemoryError: its
-    ``__context__``) is the shortage's too, so the chain of causes is searched."""
+    ``__context__``, unless raised ``from None``) is the shortage's too, so the chain of
+    causes is searched. Texts are matched only where the allocator or the interpreter
+    begins its message: an allowlisted call quotes what a file hands it (``torch.device('not
+    enough memory')``), and a file must not pass for a full machine."""
     seen: set = set()
-    while e is not None and id(e) not in seen and len(seen) < 32:
+    while e is not None and id(e) not in seen and len(seen) < 64:
         seen.add(id(e))
         what = _ran_short(e)
         if what is not None:
             return what
-        e = e.__cause__ if e.__cause__ is not None else e.__context__
+        e = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
     return None
 
 
+# How the allocators and the interpreter begin their messages (torch's DefaultCPUAllocator:
+# "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory
+# ..."; CPython's: "can't start new thread"; a C++ std::bad_alloc translated as it is).
+_SHORT_TEXTS = (("threads", "can't start new thread"), ("threads", "can't create new thread"),
+                ("memory", "[enforce fail at alloc_cpu"), ("memory", "std::bad_alloc"))
+
+
 def _ran_short(e: BaseException) -> "str | None":
-    if isinstance(e, OutOfResourcesError):
-        return None  # already said
-    if isinstance(e, MemoryError):
-        return f"memory (MemoryError{': ' + str(e) if str(e) else ''})"
-    if isinstance(e, OSError) and e.errno == errno.ENOMEM and not isinstance(e, OneloadError):
-        # an mmap, a read or a fork refused for memory (not EAGAIN: a pipe's BlockingIOError has it too)
-        return f"memory ({type(e).__name__}: {e})"
-    if isinstance(e, RuntimeError) and not isinstance(e, OneloadError):
+    if isinstance(e, OneloadError):
+        return None  # already said (a shortage), or a refusal of ours
+    try:
         text = str(e)
-        if "can't start new thread" in text or "can't create new thread" in text:
-            return f"threads (RuntimeError: {text})"
-        if (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "bad_alloc" in text
-                or "not enough memory" in text or "Cannot allocate memory" in text):
+    except Exception:  # noqa: BLE001  (a message that cannot be formed tells nothing)
+        text = ""
+    if isinstance(e, MemoryError):
+        return f"memory (MemoryError{': ' + text[:300] if text else ''})"
+    if isinstance(e, OSError) and e.errno == errno.ENOMEM:
+        # an mmap, a read or a fork refused for memory (not EAGAIN: a pipe's BlockingIOError has it too)
+        return f"memory ({type(e).__name__}: {text[:300]})"
+    if isinstance(e, RuntimeError):
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, by its type
             return f"memory ({type(e).__name__}: {text[:300]})"
+        for what, start in _SHORT_TEXTS:
+            if text.startswith(start):
+                return f"{what} ({type(e).__name__}: {text[:300]})"
     return None
 
 

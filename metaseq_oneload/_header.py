@@ -35,7 +35,8 @@ import torch
 
 from . import _storage
 from ._allowlist import allowlisted
-from ._errors import CheckpointLayoutError, OneloadError, UnsafeCheckpointError, os_error_message, resource_problem
+from ._errors import (CheckpointLayoutError, OneloadError, UnsafeCheckpointError, os_error_message, out_of_resources,
+                      resource_problem)
 from ._opscan import stream, torch_opcodes_only
 from ._unpickle import MAX_DEPTH, header as one_pass, last_element, storage_of, storage_record, too_deep_error
 from ._zip import ZipIndex, bad_zip, file_kind, record_bytes, stat_key, zip_index
@@ -504,8 +505,8 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
     except OneloadError:  # a remote file's own refusal, already in our words
         raise
     except RuntimeError as e:
-        if resource_problem(e) is not None:
-            raise  # the machine ran short, not the file: the reading boundary says so
+        if (short := resource_problem(e)) is not None:  # the machine ran short, not the file
+            raise out_of_resources(short, path) from e
         msg = str(e)
         if "central directory" in msg or "zip archive" in msg or "PytorchStreamReader" in msg:
             raise CheckpointLayoutError(
@@ -521,13 +522,11 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
                 "the file is damaged or was edited: copy it again from its source."
             ) from e
         raise _unrebuildable(path, e, trust_pickle) from e
-    except OSError as e:
-        if resource_problem(e) is not None:
-            raise
-        raise CheckpointLayoutError(os_error_message(e, path)) from e
     except Exception as e:  # noqa: BLE001 - whatever an allowlisted call or a crafted opcode raised in torch's loader
-        if resource_problem(e) is not None:
-            raise  # the machine ran short, not the file (a MemoryError; an error met unwinding one)
+        if (short := resource_problem(e)) is not None:  # a MemoryError, an mmap's ENOMEM, an error met unwinding one
+            raise out_of_resources(short, path) from e
+        if isinstance(e, OSError):
+            raise CheckpointLayoutError(os_error_message(e, path)) from e
         raise _unrebuildable(path, e, trust_pickle) from e
 
 

@@ -70,7 +70,13 @@ def test_a_bad_file_and_a_bug_are_still_told_as_such(tmp_path):
     with pytest.raises(RuntimeError, match="a bug of ours") as info:
         with reading(tmp_path / "x.pt"):
             raise RuntimeError("a bug of ours")
-    assert not isinstance(info.value, OutOfResourcesError)
+    assert type(info.value) is RuntimeError  # (our errors are RuntimeErrors too, quoting it)
+    with pytest.raises(MalformedCheckpointError):  # 'from None' says it is not the MemoryError's
+        with reading(tmp_path / "x.pt"):
+            try:
+                raise _memory_error()
+            except MemoryError:
+                raise ValueError("a header field of the wrong kind") from None
     with pytest.raises(CheckpointLayoutError, match="Permission denied|permission"):
         with reading(tmp_path / "x.pt"):
             raise PermissionError(13, "Permission denied")
@@ -98,3 +104,35 @@ def test_the_cli_calls_a_shortage_outside_a_files_reading_a_shortage(raise_it, m
     err = capsys.readouterr().err
     assert "ran out of memory or threads" in err and "ulimit" in err, err
     assert "internal error" not in err and "could not access" not in err.lower(), err
+    assert "not a refusal of it" in err, err  # main's own words, not os_error_message's
+
+
+class _Device:
+    """Pickles as a call of torch.device, on torch's weights_only allowlist, which quotes the
+    string it is handed in its RuntimeError ("Invalid device string: '...'")."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __reduce__(self):
+        import torch
+
+        return (torch.device, (self.text,))
+
+
+@pytest.mark.parametrize("text", ["not enough memory", "std::bad_alloc", "Cannot allocate memory",
+                                  "can't start new thread", "[enforce fail at alloc_cpu.cpp:1] x"])
+def test_a_file_cannot_pass_for_a_full_machine(text, tmp_path):
+    """The attack: a file whose allowlisted call raises an error quoting the file's own words,
+    chosen to read like an allocator's. It is the file's fault ('damaged or crafted'), named
+    as the file, never 'the machine ran out ... raise ulimit'."""
+    import torch
+
+    from metaseq_oneload import load_state_dict
+
+    path = tmp_path / "crafted.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "x": _Device(text)}, path)
+    with pytest.raises(CheckpointLayoutError) as info:
+        load_state_dict(str(path), no_dist=True)
+    assert not isinstance(info.value, OutOfResourcesError), str(info.value)
+    assert "crafted.pt" in str(info.value) and "ran out of memory" not in str(info.value)
