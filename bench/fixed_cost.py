@@ -7,8 +7,8 @@ Writes a tiny synthetic fp32 model with metaseq's names (``bench/_synth.py``, ab
 MiB) three ways: a metaseq singleton (``torch.save``), one flat FSDP shard with its
 ``shard_metadata``, and a ``torch.distributed.checkpoint`` folder (``dcp.save(no_dist=True)``).
 For each, in a fresh process per run that has already imported torch, ``metaseq_oneload``
-(and the allowlist's classes) and ``torch.distributed.checkpoint`` (imports before the clock,
-as ``bench/read_bandwidth.py`` does), it times:
+and ``torch.distributed.checkpoint`` (imports before the clock, as ``bench/read_bandwidth.py``
+does), it times:
 
 * ``load_state_dict(path, no_dist=True)``, and its stages, read from timers put around the
   engine's own steps (``_engine``'s module-level names; nothing the load computes changes):
@@ -18,7 +18,11 @@ as ``bench/read_bandwidth.py`` does), it times:
 * ``torch.load(path, mmap=False)`` of the same file (``dcp.load(no_dist=True)`` into a
   state dict of empty tensors for the folder);
 * ``preadv`` of the checkpoint's bytes (every file of it) into one freshly allocated buffer:
-  the read limit. ``fixed`` = the load's median minus this median.
+  the read limit. ``fixed`` = the load's median minus this median;
+* ``first``: the load again in a process that has imported torch only, the clock started
+  before ``import metaseq_oneload``: what a script's first load costs, imports included
+  (from bytecode, as an installed wheel has it: the runs share a ``PYTHONPYCACHEPREFIX``
+  folder, filled by a run before the rounds).
 
 ``--baseline DIR`` also times the load with the package found in ``DIR`` (``DIR/metaseq_oneload``,
 e.g. ``git archive HEAD metaseq_oneload | tar -x -C DIR``), in the same rounds: before and
@@ -47,7 +51,7 @@ sys.path.append(os.path.dirname(HERE))  # after PYTHONPATH: --baseline puts its 
 from bench._report import print_table  # noqa: E402
 
 KINDS = ("singleton", "flat", "dcp")
-MODES = ("engine", "torch", "preadv")
+MODES = ("engine", "torch", "preadv", "first")
 STAGES = {"discover": ("discover", "_discover_once"), "agree": ("arrive", "_agree_options", "_agree_checkpoint"),
           "targets": ("_targets_and_wants",), "plan": ("_plan",), "execute": ("execute",)}
 
@@ -84,11 +88,16 @@ def _child(mode: str, kind: str, path: str) -> dict:
 
     import torch
 
+    if mode == "first":  # the clock before the package's import
+        t0 = time.perf_counter()
+        import metaseq_oneload as oneload
+
+        sd = oneload.load_state_dict(path, no_dist=True)
+        return {"ms": (time.perf_counter() - t0) * 1e3}
     import metaseq_oneload as oneload
     from metaseq_oneload import _engine
-    from metaseq_oneload._allowlist import safe_globals
 
-    oneload.load_state_dict, safe_globals()  # imports before the clock starts
+    oneload.load_state_dict  # imports before the clock starts (the engine's modules)
     if kind == "dcp" and mode == "torch":
         import torch.distributed.checkpoint as dcp
     out: dict = {}
@@ -139,9 +148,12 @@ def _child(mode: str, kind: str, path: str) -> dict:
 
 
 def _run(mode: str, kind: str, path: str, baseline: Optional[str] = None) -> dict:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if mode == "baseline":
-        mode, env["PYTHONPATH"] = "engine", os.pathsep.join(filter(None, [baseline, env.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPYCACHEPREFIX": os.path.join(tempfile.gettempdir(), "oneload-bench-pyc")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # an installed package imports from bytecode
+    if mode.startswith("baseline"):
+        mode = "first" if mode == "baseline_first" else "engine"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [baseline, env.get("PYTHONPATH")]))
     res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, kind, path],
                          capture_output=True, text=True, env=env)
     if res.returncode:
@@ -192,7 +204,7 @@ def main(argv=None) -> int:
     import torch
 
     kinds = [k for k in args.kinds.split(",") if k]
-    modes = MODES + (("baseline",) if args.baseline else ())
+    modes = MODES + (("baseline", "baseline_first") if args.baseline else ())
     tmp = args.keep or tempfile.mkdtemp(prefix="oneload-fixed-", dir="/tmp")
     os.makedirs(tmp, exist_ok=True)
     results: dict = {}
@@ -200,6 +212,8 @@ def main(argv=None) -> int:
         paths = _write(tmp, kinds, args.mib)
         for kind, path in paths.items():
             _run("preadv", kind, path)  # the files in the page cache
+            for mode in ("first", "baseline_first")[:1 + bool(args.baseline)]:
+                _run(mode, kind, path, args.baseline)  # the bytecode written
         for rnd in range(args.runs):
             for kind, path in paths.items():
                 for mode in modes:
@@ -224,7 +238,9 @@ def main(argv=None) -> int:
             row[mode + "_best"] = round(best(kind, mode), 1)
         row["fixed"] = round(row["engine"] - row["preadv"], 1)
         row["stages"] = {s: round(med(kind, "engine", s), 1) for s in list(STAGES) + ["other"]}
+        row["first_fixed"] = round(row["first"] - row["preadv"], 1)
         if args.baseline:
+            row["baseline_first_fixed"] = round(row["baseline_first"] - row["preadv"], 1)
             row["baseline_fixed"] = round(row["baseline"] - row["preadv"], 1)
             row["baseline_stages"] = {s: round(med(kind, "baseline", s), 1) for s in list(STAGES) + ["other"]}
         rows.append(row)
@@ -234,13 +250,15 @@ def main(argv=None) -> int:
         return 0
     print(f"warm page cache, median (best) of {args.runs} fresh processes each, ms; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; fixed = load - preadv (medians); stages: medians of the load's steps")
-    header = ["checkpoint", "MiB", "load", "torch", "preadv", "fixed"] + list(STAGES) + ["other"]
+    header = ["checkpoint", "MiB", "load", "torch", "preadv", "fixed"] + list(STAGES) + ["other", "first", "first fixed"]
     body = [[r["kind"], f"{r['mib']:.1f}"] + [f"{r[m]:.1f} ({r[m + '_best']:.1f})" for m in ("engine", "torch", "preadv")]
-            + [f"{r['fixed']:.1f}"] + [f"{r['stages'][s]:.1f}" for s in list(STAGES) + ["other"]] for r in rows]
+            + [f"{r['fixed']:.1f}"] + [f"{r['stages'][s]:.1f}" for s in list(STAGES) + ["other"]]
+            + [f"{r['first']:.1f} ({r['first_best']:.1f})", f"{r['first_fixed']:.1f}"] for r in rows]
     if args.baseline:
-        header += ["baseline load", "baseline fixed"]
+        header += ["baseline load", "baseline fixed", "baseline first", "baseline first fixed"]
         for b, r in zip(body, rows):
-            b += [f"{r['baseline']:.1f} ({r['baseline_best']:.1f})", f"{r['baseline_fixed']:.1f}"]
+            b += [f"{r['baseline']:.1f} ({r['baseline_best']:.1f})", f"{r['baseline_fixed']:.1f}",
+                  f"{r['baseline_first']:.1f} ({r['baseline_first_best']:.1f})", f"{r['baseline_first_fixed']:.1f}"]
     print_table(header, body)
     return 0
 

@@ -63,11 +63,10 @@ def _child(mode: str, path: str, threads: int) -> dict:
     import torch
 
     import metaseq_oneload as oneload
-    from metaseq_oneload._allowlist import safe_globals
 
-    # Imports before the clock starts (the engine's modules and omegaconf, which the
-    # allowlist takes its classes from: ~0.4 s here, once per process).
-    oneload.load_state_dict, safe_globals()
+    # Imports before the clock starts (the engine's modules: 55-80 ms from bytecode here,
+    # once per process; bench/fixed_cost.py's "first" column times a load with them).
+    oneload.load_state_dict
 
     size = os.path.getsize(path)
     before = proc_io()

@@ -25,6 +25,12 @@ __all__ = ["safe_globals", "allowlisted", "allowed"]
 def safe_globals() -> tuple:
     """(local) The classes and functions, beyond torch's own allowlist, that real metaseq,
     fairseq and fairscale checkpoints carry in their pickles."""
+    return _plain_globals() + _omegaconf_globals()
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_globals() -> tuple:
+    """safe_globals() but omegaconf's: nothing here costs an import torch has not paid."""
     allowed: list = [
         argparse.Namespace,  # cfg["model"] in metaseq, `args` in old fairseq checkpoints
         collections.OrderedDict,
@@ -37,6 +43,29 @@ def safe_globals() -> tuple:
         str,
         bool,
     ]
+    try:  # numpy scalars and small arrays in meters / extra_state (e.g. best_loss)
+        import numpy as np
+
+        try:
+            from numpy._core.multiarray import _reconstruct, scalar
+        except ImportError:  # numpy < 2
+            from numpy.core.multiarray import _reconstruct, scalar
+        allowed += [np.ndarray, np.dtype, _reconstruct, scalar]
+        dtypes = getattr(np, "dtypes", None)
+        if dtypes is not None:
+            allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    except ImportError:
+        pass
+    return tuple(allowed)
+
+
+@functools.lru_cache(maxsize=None)
+def _omegaconf_globals() -> tuple:
+    """omegaconf's classes, which fairseq checkpoints written from a live DictConfig carry.
+    Importing omegaconf costs 130-190 ms of a fresh process (more than a 256 MiB warm load),
+    so only torch's loader asks for them: the one-pass reader leaves any omegaconf object to
+    it anyway (see :func:`allowed`)."""
+    allowed: list = []
     try:  # fairseq checkpoints written from a live DictConfig
         from omegaconf import DictConfig, ListConfig
         from omegaconf.base import ContainerMetadata, Metadata
@@ -50,19 +79,6 @@ def safe_globals() -> tuple:
             allowed += [BytesNode, PathNode]
         except ImportError:  # omegaconf < 2.2
             pass
-    except ImportError:
-        pass
-    try:  # numpy scalars and small arrays in meters / extra_state (e.g. best_loss)
-        import numpy as np
-
-        try:
-            from numpy._core.multiarray import _reconstruct, scalar
-        except ImportError:  # numpy < 2
-            from numpy.core.multiarray import _reconstruct, scalar
-        allowed += [np.ndarray, np.dtype, _reconstruct, scalar]
-        dtypes = getattr(np, "dtypes", None)
-        if dtypes is not None:
-            allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
     except ImportError:
         pass
     return tuple(allowed)
@@ -100,15 +116,19 @@ def allowlisted():
 
 
 def allowed() -> dict:
-    """(local) Every name torch's ``weights_only`` loader accepts inside :func:`allowlisted`,
-    by its dotted name: its own allowlist first, then the process's safe globals and ours."""
+    """(local) The names the one-pass header reader accepts, by dotted name: torch's own
+    allowlist first, then the process's safe globals and ours, but for omegaconf's. A pickle
+    naming one of those is refused by the pass, and so read by torch's loader inside
+    :func:`allowlisted` (the whole allowlist), as it would be if the pass had accepted the
+    name: an omegaconf object is never one the pass hands out (``_unpickle``). Either way
+    torch's loader decides; leaving them out spares a plain load the import of omegaconf."""
     return _allowed_with(frozenset(torch._weights_only_unpickler._marked_safe_globals_set))
 
 
 @functools.lru_cache(maxsize=8)
 def _allowed_with(process: frozenset) -> dict:
     wo = torch._weights_only_unpickler
-    allowed = {f"{g.__module__}.{g.__qualname__}": g for g in safe_globals()}
+    allowed = {f"{g.__module__}.{g.__qualname__}": g for g in _plain_globals()}
     allowed.update(wo._get_user_allowed_globals())  # the process's, ``process`` as torch reads it
     allowed.update(wo._get_allowed_globals())
     return allowed

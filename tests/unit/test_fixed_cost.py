@@ -112,3 +112,27 @@ def test_each_dcp_item_is_parsed_once_per_load(dcp_folder, monkeypatch):
         warnings.simplefilter("ignore")
         dcp.load(ref, checkpoint_id=str(folder), no_dist=True)
     assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+_FRESH = """
+import sys, torch
+import metaseq_oneload as mo
+sd = mo.load_state_dict(sys.argv[1], no_dist=True)
+ref = torch.load(sys.argv[1], weights_only=True)
+assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in ref)
+print(" ".join(m for m in ("omegaconf", "yaml", "hydra") if m in sys.modules))
+"""
+
+
+def test_a_plain_load_in_a_fresh_process_does_not_import_omegaconf(tmp_path):
+    """omegaconf costs a fresh process 130-190 ms to import (more than a warm 256 MiB load, 25x
+    torch.load of 8 MiB); a checkpoint that holds none of its objects must not pay it. One that
+    does still loads (tests/unit/test_trust_cfg.py, the fairseq and metaseq fixtures)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "plain.pt"
+    torch.save(_weights(), path)
+    out = subprocess.run([sys.executable, "-c", _FRESH, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "", f"a plain load imported {out.stdout.strip()}"
