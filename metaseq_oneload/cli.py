@@ -627,8 +627,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(e, KeyboardInterrupt):
             print("metaseq-oneload: interrupted", file=sys.stderr)
             return 130
-        if not isinstance(e, OneloadError) and resource_problem(e) is not None:
-            return _ran_short(args, resource_problem(e))  # an mmap's ENOMEM is no file's fault
+        if not isinstance(e, OneloadError) and (short := resource_problem(e)) is not None:
+            return _short_exit(args, short)  # an mmap's ENOMEM is no file's fault
         # An OSError that no reader or writer turned into ours (one the system raised while
         # this command opened, listed or wrote something): it names the file and what to do.
         stray = isinstance(e, OSError) and not isinstance(e, OneloadError)
@@ -642,7 +642,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         short = resource_problem(e)
         if short is not None:  # the machine ran short outside a file's reading: not a bug either
-            return _ran_short(args, short)
+            return _short_exit(args, short)
         import traceback
 
         traceback.print_exc()
@@ -654,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3
 
 
-def _ran_short(args, short: str) -> int:
+def _short_exit(args, short: str) -> int:
     """Exit 2 with the shortage's message (``short``: from resource_problem)."""
     message = str(out_of_resources(short))
     if args.json:
