@@ -67,6 +67,12 @@ def _child(mode: str, path: str, threads: int) -> dict:
     # Imports before the clock starts (the engine's modules: 55-80 ms from bytecode here,
     # once per process; bench/fixed_cost.py's "first" column times a load with them).
     oneload.load_state_dict
+    # Importing torch leaves a full collection due (about 90 ms here): whatever allocates
+    # next pays it, and a mode that makes few Python objects (preadv) never does. A script
+    # has long paid it by the time it loads; so do these, before the clock.
+    import gc
+
+    gc.collect()
 
     size = os.path.getsize(path)
     before = proc_io()
