@@ -112,7 +112,7 @@ if typing.TYPE_CHECKING:  # what _LAZY loads at run time, spelled out for mypy a
 # Imported from a source checkout (the repository root first on sys.path), the package has
 # no ``hydra_configs`` subpackage yet (an install maps the top-level folder there): register
 # it, so Hydra's pkg:// search path finds the ``oneload`` group. Cheap: no torch, no Hydra.
-from ._hydra import source_tree_configs as _source_tree_configs  # noqa: E402
+from ._source_tree import source_tree_configs as _source_tree_configs  # noqa: E402
 from ._signature import plain_signature as _plain_signature  # noqa: E402
 
 _source_tree_configs()

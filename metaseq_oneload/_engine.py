@@ -25,7 +25,6 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ._digest_check import Hashing, check as check_digests, claims_missing, settle_digest, with_claims
 from ._dist import Group, PeerFailure, arrive, clip, settle, tell_left
 from ._errors import (CheckpointLayoutError, CheckpointNotFoundError, OneloadError, OptionError, StateDictMismatchError,
                       cap_list)
@@ -112,6 +111,9 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         layout, err = _discover_once(given, dp, mp, opts)
     topo, strategy = _agree_checkpoint(path, dp, mp, opts, flat, layout, err)
     if opts.digest:  # before a byte is read: a set that records no digest cannot be checked
+        # Imported here: hashing (BLAKE3) and the claims' readers are no plain load's cost.
+        from ._digest_check import Hashing, check as check_digests, claims_missing, settle_digest, with_claims
+
         error = None
         try:
             layout = with_claims(layout)

@@ -28,16 +28,15 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import importlib.util
 import os
 import re
 import shlex
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._errors import CheckpointNotFoundError, OneloadError
+from ._source_tree import CONFIG_MODULE, source_tree_configs
 
 __all__ = [
     "RESOLVER",
@@ -66,8 +65,6 @@ RESOLVER = "oneload"
 # "off" composes but leaves metaseq's own loading untouched (install() is not called).
 STRATEGIES = ("auto", "own_shard", "reshard", "broadcast", "parallel", "off")
 ENV = "METASEQ_ONELOAD"
-# The package Hydra reads the group from; see hydra_plugins/oneload_searchpath.
-CONFIG_MODULE = "metaseq_oneload.hydra_configs"
 
 
 class CheckpointSettingsError(OneloadError, ValueError):
@@ -552,34 +549,6 @@ def register_configs(base: Optional[type] = None, name: str = "base_config") -> 
     cs.store(name=_ROOT_NAME, node=extend_schema(_Root))
     if base is not None:
         cs.store(name=name, node=extend_schema(base))
-
-
-def source_tree_configs() -> bool:
-    """(local) Make ``metaseq_oneload.hydra_configs`` importable where the package is
-    imported from a source checkout (the repository root on ``sys.path`` ahead of any
-    install: ``pytest`` from the root, ``PYTHONPATH=repo``). The group lives in the
-    repository's top-level ``hydra_configs/``, which an install maps into the package and a
-    bare source tree does not. Idempotent; a no-op where the module is found. Returns
-    whether it registered the module."""
-    if CONFIG_MODULE in sys.modules:
-        return False
-    try:
-        if importlib.util.find_spec(CONFIG_MODULE) is not None:
-            return False
-    except (ImportError, ValueError):
-        pass
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_configs")
-    init = os.path.join(folder, "__init__.py")
-    if not os.path.isfile(init) or not os.path.isdir(os.path.join(folder, "oneload")):
-        return False
-    spec = importlib.util.spec_from_file_location(CONFIG_MODULE, init, submodule_search_locations=[folder])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[CONFIG_MODULE] = module
-    spec.loader.exec_module(module)
-    parent = sys.modules.get(CONFIG_MODULE.rsplit(".", 1)[0])
-    if parent is not None:
-        setattr(parent, CONFIG_MODULE.rsplit(".", 1)[1], module)
-    return True
 
 
 @contextlib.contextmanager

@@ -64,7 +64,6 @@ from ._errors import StateDictMismatchError
 from ._execute import Want
 from ._into import is_dtensor, module_wants
 from ._layout import CheckpointLayout
-from ._optim_into import prepare as prepare_optimizer
 from ._options import Options, Progress
 from ._plan import FlatStructure, TargetTensor, qkv_naming
 
@@ -393,6 +392,8 @@ def load_into(
             trust_pickle, progress, arrival_timeout, no_dist)
         source, optim = path, None
         if optimizer is not None:  # the folder described here, its optimizer state as shadows
+            from ._optim_into import prepare as prepare_optimizer  # (no plain load's import cost)
+
             source, optim = prepare_optimizer(path, optimizer, model_parallel=mp.size, strict=strict,
                                               trust_pickle=trust_pickle)
     except BaseException as e:
