@@ -1,7 +1,7 @@
 """One process loads a singleton, warm and cold: the engine, its peers, and the read limit, in one run.
 
     .venv/bin/python bench/single_load.py [--gib 0.25 0.5 1 2] [--repeat 3] [--json] [--keep DIR]
-                                          [--cache warm|cold|both] [--only ours,auto,direct,...]
+                                          [--cache warm|cold|both] [--only ours,cache,direct,...]
                                           [--baseline DIR]
 
 For each size, a synthetic fp32 metaseq singleton (``bench/_synth.py``; the same weights
@@ -11,10 +11,10 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
 * the limit: ``preadv`` of the .pt file into one freshly allocated buffer of its size, on a
   pool of 2 and of 4 threads (16 MiB pieces); the best of the two is the limit of the row's
   cache state, and ``x limit`` is each row's time over it;
-* ``load_state_dict(path, no_dist=True)`` as shipped (every piece through the page cache),
-  with ``$METASEQ_ONELOAD_O_DIRECT=auto`` (O_DIRECT for the pieces the page cache lacks,
-  ``preadv`` for the ones it holds) and with ``=1`` (every piece with O_DIRECT straight into
-  the destination);
+* ``load_state_dict(path, no_dist=True)`` as shipped (``$METASEQ_ONELOAD_O_DIRECT`` unset,
+  i.e. ``auto``: O_DIRECT for the pieces the page cache lacks, ``preadv`` for the ones it
+  holds), with ``=0`` (every piece through the page cache) and with ``=1`` (every piece with
+  O_DIRECT straight into the destination);
 * ``torch.load(mmap=False)``; ``torch.load(mmap=True)`` then a copy of every storage into
   fresh memory; safetensors' ``load_file`` (which maps the file: nothing is read until
   touched) then a copy of every tensor into fresh memory; fastsafetensors' ``fastsafe_open``
@@ -57,7 +57,7 @@ _ALL = {
     "limit2": ("limit: preadv, 2 threads, fresh memory", "preadv2", 2, {}),
     "limit4": ("limit: preadv, 4 threads, fresh memory", "preadv4", 4, {}),
     "ours": ("oneload load_state_dict", "engine", 8, {}),
-    "auto": ("oneload, O_DIRECT=auto", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "auto"}),
+    "cache": ("oneload, O_DIRECT=0 (the cache)", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "0"}),
     "direct": ("oneload, O_DIRECT=1", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "1"}),
     "torch": ("torch.load(mmap=False)", "torch.load", 1, {}),
     "mmap-copy": ("torch.load(mmap=True) + copy", "torch.load-mmap-copy", 1, {}),

@@ -179,14 +179,14 @@ class RangeReader:
     ordinary way), through a page-aligned bounce buffer per thread for pieces under 1 MiB
     (cold reads then skip the page cache; files where the filesystem refuses it are read
     the ordinary way). ``alone=True`` (the reader of a load that is its files' only reader)
-    with ``$METASEQ_ONELOAD_O_DIRECT=auto`` (``direct`` not passed) chooses per piece of
+    with ``$METASEQ_ONELOAD_O_DIRECT=auto`` (the default; ``direct`` not passed) chooses per piece of
     1 MiB or more: O_DIRECT where the page cache holds under half of its pages (:class:`._pagecache.Residency`),
     ``preadv`` from the cache where it holds more. Other readers never choose it: ranks of a
     node that read the same bytes share them through the cache, which O_DIRECT would bypass.
     What is not passed comes from ``settings`` (a verb's, read once),
     else from the environment (:func:`._settings.from_env`:
     ``$METASEQ_ONELOAD_READ_THREADS`` (8), ``$METASEQ_ONELOAD_READ_SPLIT_MB`` (16),
-    ``$METASEQ_ONELOAD_O_DIRECT`` (off; 1 always; auto: the choice above));
+    ``$METASEQ_ONELOAD_O_DIRECT`` (auto: the choice above; 0 never; 1 always));
     ``read_threads=1`` is the serial reader.
     """
 

@@ -17,9 +17,9 @@ variable                                default    what it sets
 ``METASEQ_ONELOAD_SHM``                 1          0: a node's ranks exchange through the
                                                    network, not a shared-memory segment
 ``METASEQ_ONELOAD_SHM_DIR``             /dev/shm   where a node's shared-memory segments live
-``METASEQ_ONELOAD_O_DIRECT``            0          1: local reads bypass the page cache;
-                                                   auto: a one-process load reads with
-                                                   O_DIRECT the pieces the cache lacks
+``METASEQ_ONELOAD_O_DIRECT``            auto       a one-process load reads with O_DIRECT
+                                                   the pieces the cache lacks; 0: every
+                                                   read through the page cache; 1: none
 ``METASEQ_ONELOAD_READ_THREADS``        (derived)  threads reading one file's ranges: 8, or 1
                                                    for a load's rank reading under 32 MiB
 ``METASEQ_ONELOAD_READ_SPLIT_MB``       16         a read larger than this is split over them
@@ -69,7 +69,10 @@ class Settings:
     shm: bool = True
     shm_dir: str = "/dev/shm"
     # None ("auto"): a load with no other rank chooses O_DIRECT per piece from the page cache
-    o_direct: Optional[bool] = False
+    # (cold pieces straight into their destination, no copy out of the cache; warm ones from
+    # it), so that neither a cold nor a warm load pays for the other (#26). Other loads read
+    # through the cache, which a node's ranks share.
+    o_direct: Optional[bool] = None
     # None: 8 threads, and the serial reader for a load's rank that reads little (_engine);
     # a value set in the environment is taken as it is.
     read_threads: Optional[int] = None
