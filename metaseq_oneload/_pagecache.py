@@ -140,6 +140,11 @@ class Residency:
             self._maps[path] = entry
             return entry
 
+    @property
+    def probes(self) -> bool:
+        """Whether :meth:`held` tells anything (else it answers 1.0: nothing mapped)."""
+        return self._can_map
+
     def held(self, path: str, fd: int, offset: int, n: int) -> float:
         """The share (0..1) of the pages under bytes ``offset .. offset+n`` of ``path`` (open
         as ``fd``) that the page cache holds now; 1.0 where it cannot be told (see the module

@@ -158,6 +158,14 @@ def _inside(spans: tuple, offset: int, n: int) -> bool:
 
 
 DEFAULT_READ_THREADS = 8  # $METASEQ_ONELOAD_READ_THREADS unset
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity, as a container or taskset limits it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 _MIN_PIECE = 1 << 20  # below this a read is not worth a thread hand-off
 
 
@@ -198,6 +206,8 @@ class RangeReader:
         self.bytes_read = 0
         if settings is None and None in (read_threads, split_bytes, direct):
             settings = from_env(only=LOAD)
+        # a count asked for (the caller's, or $METASEQ_ONELOAD_READ_THREADS) is taken as it is
+        self._threads_asked = read_threads is not None or bool(settings.read_threads)
         if read_threads is None:
             read_threads = settings.read_threads or DEFAULT_READ_THREADS
         if split_bytes is None:
@@ -530,7 +540,7 @@ class RangeReader:
                     delta, state["told"] = state["done"] - state["told"], state["done"]
                 progress(delta)
 
-        helpers = min(self.read_threads, len(jobs)) - 1
+        helpers = min(self._threads_for(jobs), len(jobs)) - 1
         futures = [self._executor().submit(work, False) for _ in range(helpers)] if helpers > 0 else []
         try:
             work(True)
@@ -545,6 +555,30 @@ class RangeReader:
             raise state["failed"]
         if progress is not None and state["done"] > state["told"]:
             progress(state["done"] - state["told"])
+
+    def _threads_for(self, jobs: Sequence[tuple]) -> int:
+        """How many threads read ``jobs`` (path, offset, destination): ``read_threads``, or no
+        more than this process's CPUs where no count was asked for, the reader chooses per piece
+        (its files' only reader, ``O_DIRECT=auto``) and the page cache holds at least half of
+        the bytes. Read
+        from the cache, a piece is a copy, the CPUs' work: more threads only take turns, and
+        starting them costs (0.27 GiB warm on 2 CPUs, 9 runs: 97.6 ms median with 8 threads,
+        74.6 with 2, the read limit 75.1). Pieces the cache lacks wait on the device, where
+        more requests in flight help: those keep every thread."""
+        threads = self.read_threads
+        if self._threads_asked or self._residency is None or not self._residency.probes or threads <= 1:
+            return threads
+        cpus = _cpus()
+        if cpus >= threads:
+            return threads
+        total = held = 0.0
+        for path, offset, view in jobs:
+            if _storage.is_url(path):
+                return threads
+            n = view.numel() * view.element_size()
+            total += n
+            held += n * self._residency.held(path, self._fd(path), offset, n)
+        return cpus if total and 2 * held >= total else threads
 
     def _ordered_pieces(self, runs: Sequence[tuple]) -> list:
         """(path, offset, destination) of every run, cut at multiples of the piece size in the

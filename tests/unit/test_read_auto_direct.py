@@ -9,6 +9,7 @@ reference; which path read what is watched (``_pread_full`` wrapped, never repla
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import metaseq_oneload as mo
 from metaseq_oneload import _reading
 from metaseq_oneload._pagecache import Residency
 from metaseq_oneload._reading import Extent, RangeReader, key_path, read_header, storage_byte_offset
+from metaseq_oneload._settings import Settings
 
 MiB = 1 << 20
 BIG = 12 * MiB // 4  # elements: a load's reads of it are pieces of 1 MiB or more
@@ -203,3 +205,63 @@ def test_a_process_with_a_limited_address_space_maps_nothing_and_reads_through_t
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1.0", "False"]
+
+
+@pytest.fixture
+def one_cpu():
+    """This thread (a reader's caller) may run on one CPU only, whatever the machine has."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _big_run(path: str) -> tuple:
+    return path, storage_byte_offset(read_header(path)["model"]["big"]), torch.empty(BIG)
+
+
+@pytest.mark.parametrize("state", ["warm", "cold"])
+def test_a_lone_reader_of_cached_bytes_uses_no_more_threads_than_cpus(saved, one_cpu, state):
+    # read from the cache a piece is a copy, the CPU's work; from the device it is a wait,
+    # where more requests in flight help
+    path, sd = saved
+    _warm(path) if state == "warm" else _cold(path)
+    with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
+        assert reader.read_threads == _reading.DEFAULT_READ_THREADS > 1
+        jobs = reader._ordered_pieces([_big_run(path)])
+        assert len(jobs) > 1
+        assert reader._threads_for(jobs) == (1 if state == "warm" else reader.read_threads)
+
+
+@pytest.mark.parametrize("how", ["asked", "not alone", "through the cache"])
+def test_a_count_asked_for_or_a_reader_that_does_not_choose_keeps_its_threads(saved, one_cpu, how):
+    path, _ = saved
+    _warm(path)
+    kwargs = {"asked": dict(alone=True, read_threads=4, settings=Settings(o_direct=None)),
+              "not alone": dict(alone=False, settings=Settings(o_direct=None)),
+              "through the cache": dict(alone=True, settings=Settings(o_direct=False))}[how]
+    with RangeReader(**kwargs) as reader:
+        jobs = reader._ordered_pieces([_big_run(path)])
+        assert reader._threads_for(jobs) == reader.read_threads > 1
+
+
+def test_a_warm_lone_read_on_one_cpu_is_read_on_the_calling_thread(saved, one_cpu, monkeypatch):
+    path, sd = saved
+    _warm(path)
+    threads = set()
+    real = _reading._pread_full
+
+    def counted(fd, offset, view, block=0):
+        threads.add(threading.get_ident())
+        return real(fd, offset, view, block)
+
+    monkeypatch.setattr(_reading, "_pread_full", counted)
+    run = _big_run(path)
+    with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
+        reader.read_runs([run])
+    assert torch.equal(run[2].view(torch.int32), sd["big"].view(torch.int32))
+    assert threads == {threading.get_ident()}
