@@ -129,7 +129,8 @@ def _steps(path, dp: Group, mp: Group, opts: Options, flat: bool, structure_from
         part, ranges = _plan(path, dp, mp, opts, flat, layout, targets, wants, topo)
         total = sum(w.out.numel() * w.out.element_size() for w in wants)
         if layout is not None:
-            reader = _reader(opts, part, dp, alone=dp.size == 1 and mp.size == 1 and launched_alone())
+            # verify=True reads the files again through torch (a mapping): the cache keeps them for it
+            reader = _reader(opts, part, dp, alone=dp.size == 1 and mp.size == 1 and launched_alone() and not opts.sums)
         # Logged before the bar appears: a line printed under it would break it.
         if dp.rank == 0 and mp.rank == 0 and (dp.active or mp.active or logger.isEnabledFor(logging.INFO)):
             logger.info("oneload: %s: strategy=%s (%s)", path, part.strategy, part.reason)
@@ -293,7 +294,8 @@ def _agree_checkpoint(path, dp: Group, mp: Group, opts: Options, flat: bool, lay
     cache = {"shared": False, "why": "", "avail": -1}
     if layout is not None and dp.active and dp.size > 1:  # only ranks that may share bytes ask
         try:  # never raise before the gather: the others would wait for this rank in it
-            cache = page_cache_view([f.path for f in layout.all_files], direct=opts.settings.o_direct)
+            # (auto, None: a rank among others reads through the cache)
+            cache = page_cache_view([f.path for f in layout.all_files], direct=opts.settings.o_direct is True)
         except Exception as e:  # noqa: BLE001
             cache["why"] = f"its page cache could not be checked ({type(e).__name__}: {e})"
     info = {

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from ._settings import from_env
 from ._storage import is_url
 
-__all__ = ["node_key", "page_cache_view", "launched_alone"]
+__all__ = ["node_key", "page_cache_view", "launched_alone", "LOCAL_SIZES"]
 
 
 def node_key(explicit: Optional[str] = None) -> str:
@@ -31,15 +31,25 @@ def node_key(explicit: Optional[str] = None) -> str:
     return socket.gethostname()
 
 
+# How many processes a launcher started on this host: torchrun, DeepSpeed, Horovod, Open MPI,
+# MPICH/Intel MPI, Cray PALS, and Slurm (srun's step; --ntasks-per-node; the allocation's).
+LOCAL_SIZES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+               "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
+               "SLURM_TASKS_PER_NODE")
+
+
 def launched_alone() -> bool:
     """(local) Whether no launcher says it started other processes on this host beside this
-    one (torchrun, Open MPI, Slurm, MPICH/Intel MPI each say how many they started there):
-    where one did, each may be loading the same files "alone" (``no_dist=True``, no process
-    group), and a page cache they share must stay theirs to share."""
-    sizes = (os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"),
-             os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("MPI_LOCALNRANKS"))
+    one (:data:`LOCAL_SIZES`; without any of them, a ``WORLD_SIZE`` above 1 counts, as a
+    launcher may have put its processes anywhere): where one did, each may be loading the
+    same files "alone" (``no_dist=True``, no process group), and a page cache they share must
+    stay theirs to share. A variable this does not know errs towards "alone": the reads then
+    choose ``O_DIRECT`` per piece, still correct bytes."""
     # (Slurm writes "4" or, for uneven nodes, "4(x2),3": the first count is enough to know)
-    return all((raw or "").strip().split("(")[0].split(",")[0] in ("1", "") for raw in sizes)
+    sizes = [(os.environ.get(v) or "").strip().split("(")[0].split(",")[0] for v in LOCAL_SIZES]
+    if any(raw not in ("1", "") for raw in sizes):
+        return False
+    return any(raw == "1" for raw in sizes) or (os.environ.get("WORLD_SIZE") or "1").strip() in ("1", "")
 
 
 # Filesystems whose reads go through the kernel's page cache, which every process of a host

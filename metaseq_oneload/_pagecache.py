@@ -10,8 +10,9 @@ The mapping is never touched (no page of it is faulted in, so it adds nothing to
 process's resident memory); ``mincore`` reads the cache's state of the file's pages. Where the
 kernel will not say (a file this process could not open for writing and does not own: Linux
 then reports every page resident, by design) or the platform has no ``mincore``, the answer
-is "held", which keeps the ordinary buffered read: the probe can only ever choose
-``O_DIRECT`` for pages the kernel says it lacks.
+is "unknown" (None), which keeps the ordinary buffered read and every reading thread: the
+probe can only ever choose ``O_DIRECT`` (or fewer threads) for pages the kernel says it lacks
+(or holds).
 """
 
 from __future__ import annotations
@@ -99,6 +100,22 @@ def prefault(address: int, nbytes: int) -> None:
     advise(lo, hi - lo, _MADV_POPULATE_WRITE)  # a refusal (ENOMEM, EFAULT) leaves the faults to preadv
 
 
+def _tells(fd: int) -> bool:
+    """Whether ``mincore`` tells this process the page cache's state of the file open as
+    ``fd``: Linux (5.2 and later) tells it only for a file the process owns (or may act as its
+    owner: root) or could open for writing; for any other it says every page is resident."""
+    try:
+        st = os.fstat(fd)
+        euid = os.geteuid()
+        if euid == 0 or st.st_uid == euid:
+            return True
+        if os.access not in os.supports_effective_ids:
+            return False
+        return os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True)
+    except (OSError, AttributeError):
+        return False
+
+
 def _address_space_unlimited() -> bool:
     try:
         import resource
@@ -115,7 +132,7 @@ class Residency:
     reader's threads that fault their destinations' fresh pages in meanwhile (measured: a warm
     2 GiB load 1.36x the limit with one per 16 MiB piece, 1.07x with one per file). A process
     whose address space is limited (``ulimit -v``) maps nothing: a checkpoint's files would
-    take that much of its headroom, so every piece counts as held (buffered reads).
+    take that much of its headroom, so nothing is known of any piece (buffered reads).
     Thread-safe: the reader's pool asks from every thread."""
 
     def __init__(self):
@@ -128,7 +145,7 @@ class Residency:
             if path in self._maps:
                 return self._maps[path]
             entry = None
-            if self._can_map:
+            if self._can_map and _tells(fd):
                 try:
                     size = os.fstat(fd).st_size
                 except OSError:
@@ -145,13 +162,16 @@ class Residency:
         """Whether :meth:`held` tells anything (else it answers 1.0: nothing mapped)."""
         return self._can_map
 
-    def held(self, path: str, fd: int, offset: int, n: int) -> float:
+    def held(self, path: str, fd: int, offset: int, n: int) -> Optional[float]:
         """The share (0..1) of the pages under bytes ``offset .. offset+n`` of ``path`` (open
-        as ``fd``) that the page cache holds now; 1.0 where it cannot be told (see the module
-        docstring and the class's)."""
-        entry = self._map(path, fd) if n > 0 else None
-        if entry is None:
+        as ``fd``) that the page cache holds now; 1.0 where nothing is asked (nothing to read
+        from the device); None where it cannot be told (see the module docstring and the
+        class's): a caller then reads as if it did not know, never as if the cache held it."""
+        if n <= 0:
             return 1.0
+        entry = self._map(path, fd)
+        if entry is None:
+            return None
         addr, size = entry
         a = offset // _PAGE * _PAGE
         b = min(size, offset + n)  # (a file grown since it was mapped: its first bytes tell)
@@ -160,7 +180,7 @@ class Residency:
         pages = -(-(b - a) // _PAGE)
         vec = ctypes.create_string_buffer(pages)
         if _LIBC.mincore(addr + a, b - a, vec) != 0:
-            return 1.0
+            return None
         return vec.raw.translate(_LOW_BIT).count(1) / pages
 
     def close(self) -> None:

@@ -350,8 +350,10 @@ class RangeReader:
         if _storage.is_url(path):  # ranged requests, written into ``view`` as they arrive
             return _storage.read_into(path, offset, view)
         # chosen: only where O_DIRECT lands in place (a bounce buffer's copy is the cache's cost)
-        chosen = (not self.direct and self._residency is not None and self._in_place and len(view) >= _MIN_PIECE
-                  and self._residency.held(path, self._fd(path), offset, len(view)) < 0.5)
+        chosen = False
+        if not self.direct and self._residency is not None and self._in_place and len(view) >= _MIN_PIECE:
+            held = self._residency.held(path, self._fd(path), offset, len(view))
+            chosen = held is not None and held < 0.5  # (not known: the cache, as without a probe)
         if self.direct or chosen:
             dfd = self._direct_fd(path)
             if dfd is not None:
@@ -576,8 +578,11 @@ class RangeReader:
             if _storage.is_url(path):
                 return threads
             n = view.numel() * view.element_size()
+            share = self._residency.held(path, self._fd(path), offset, n)
+            if share is None:  # not known (a file mincore will not tell of): as if cold
+                return threads
             total += n
-            held += n * self._residency.held(path, self._fd(path), offset, n)
+            held += n * share
         return cpus if total and 2 * held >= total else threads
 
     def _ordered_pieces(self, runs: Sequence[tuple]) -> list:

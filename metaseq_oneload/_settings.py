@@ -19,9 +19,12 @@ variable                                default    what it sets
 ``METASEQ_ONELOAD_SHM_DIR``             /dev/shm   where a node's shared-memory segments live
 ``METASEQ_ONELOAD_O_DIRECT``            auto       a one-process load reads with O_DIRECT
                                                    the pieces the cache lacks; 0: every
-                                                   read through the page cache; 1: none
+                                                   read through the page cache; 1: every
+                                                   local read with O_DIRECT
 ``METASEQ_ONELOAD_READ_THREADS``        (derived)  threads reading one file's ranges: 8, or 1
-                                                   for a load's rank reading under 32 MiB
+                                                   for a load's rank reading under 32 MiB,
+                                                   or the CPUs for a lone load the page
+                                                   cache holds
 ``METASEQ_ONELOAD_READ_SPLIT_MB``       16         a read larger than this is split over them
 ``METASEQ_ONELOAD_REMOTE_CONCURRENCY``  16         object store requests in flight per process
 ``METASEQ_ONELOAD_REMOTE_RETRIES``      5          retries per request after the first try

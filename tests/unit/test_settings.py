@@ -30,7 +30,8 @@ ALLOWED_READS = {
     # torchrun's node rank, which names a node where METASEQ_ONELOAD_NODE does not
     # and how many processes a launcher started on this host (each may load alone)
     "_nodes.py": {"GROUP_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
-                  "MPI_LOCALNRANKS"},
+                  "MPI_LOCALNRANKS", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "PALS_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE",
+                  "SLURM_TASKS_PER_NODE", "WORLD_SIZE"},
     # the XDG base directory, where the index key lives by default
     "formats/_index.py": {"XDG_CACHE_HOME"},
 }
@@ -186,9 +187,20 @@ def test_each_reader_checks_only_the_variables_it_uses(monkeypatch, tmp_path):
 
 
 def _constants(tree: ast.AST) -> dict:
-    return {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-            and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
-            for t in n.targets if isinstance(t, ast.Name)}
+    """A module's names bound to a string, or to a tuple of strings (as a frozenset)."""
+    out = {}
+    for n in tree.body:
+        if not isinstance(n, ast.Assign):
+            continue
+        if isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
+            value = n.value.value
+        elif isinstance(n.value, ast.Tuple) and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                                                   for e in n.value.elts):
+            value = frozenset(e.value for e in n.value.elts)
+        else:
+            continue
+        out.update((t.id, value) for t in n.targets if isinstance(t, ast.Name))
+    return out
 
 
 def _keys(node: ast.AST, parents: dict, consts: dict) -> set:
@@ -197,7 +209,7 @@ def _keys(node: ast.AST, parents: dict, consts: dict) -> set:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return {node.value}
     if isinstance(node, ast.Name):
-        if node.id in consts:
+        if isinstance(consts.get(node.id), str):
             return {consts[node.id]}
         p = parents.get(node)
         while p is not None:  # a loop over a literal tuple of names: `for k in ("RANK", ...)`
@@ -206,6 +218,9 @@ def _keys(node: ast.AST, parents: dict, consts: dict) -> set:
                 if isinstance(g.target, ast.Name) and g.target.id == node.id and isinstance(g.iter, (ast.Tuple, ast.List)):
                     if all(isinstance(e, ast.Constant) for e in g.iter.elts):
                         return {e.value for e in g.iter.elts}
+                if isinstance(g.target, ast.Name) and g.target.id == node.id and isinstance(g.iter, ast.Name) \
+                        and isinstance(consts.get(g.iter.id), frozenset):  # over a module's tuple of names
+                    return set(consts[g.iter.id])
             p = parents.get(p)
     return {"<computed>"}
 
