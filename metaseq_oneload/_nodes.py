@@ -32,24 +32,38 @@ def node_key(explicit: Optional[str] = None) -> str:
 
 
 # How many processes a launcher started on this host: torchrun, DeepSpeed, Horovod, Open MPI,
-# MPICH/Intel MPI, Cray PALS, and Slurm (srun's step; --ntasks-per-node; the allocation's).
-LOCAL_SIZES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-               "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
-               "SLURM_TASKS_PER_NODE")
+# MPICH/Intel MPI, MVAPICH2, Cray PALS and PMI, IBM jsrun, srun's step; then Slurm's
+# allocation (--ntasks-per-node; its tasks per node), which says what may run, not what did.
+LAUNCHED_SIZES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                  "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", "PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE",
+                  "JSM_NAMESPACE_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE")
+ALLOCATED_SIZES = ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+LOCAL_SIZES = LAUNCHED_SIZES + ALLOCATED_SIZES
+
+
+def _counts(raw: Optional[str]) -> list:
+    # Slurm writes "4", or for uneven nodes "1(x2),3" (the same text on every node): any count
+    # above 1 may be this node's
+    out = []
+    for part in (raw or "").split(","):
+        part = part.split("(")[0].strip()
+        if part:
+            out.append(int(part) if part.isdigit() else 2)  # (unreadable: as if several)
+    return out
 
 
 def launched_alone() -> bool:
     """(local) Whether no launcher says it started other processes on this host beside this
-    one (:data:`LOCAL_SIZES`; without any of them, a ``WORLD_SIZE`` above 1 counts, as a
-    launcher may have put its processes anywhere): where one did, each may be loading the
-    same files "alone" (``no_dist=True``, no process group), and a page cache they share must
-    stay theirs to share. A variable this does not know errs towards "alone": the reads then
-    choose ``O_DIRECT`` per piece, still correct bytes."""
-    # (Slurm writes "4" or, for uneven nodes, "4(x2),3": the first count is enough to know)
-    sizes = [(os.environ.get(v) or "").strip().split("(")[0].split(",")[0] for v in LOCAL_SIZES]
-    if any(raw not in ("1", "") for raw in sizes):
+    one (:data:`LOCAL_SIZES`; where no launcher's local count says 1, a ``WORLD_SIZE`` above 1
+    counts too, as a launcher may have put its processes anywhere): where one did, each may be
+    loading the same files "alone" (``no_dist=True``, no process group), and a page cache they
+    share must stay theirs to share. A launcher this does not know errs towards "alone": the
+    reads then choose ``O_DIRECT`` per piece, still correct bytes."""
+    if any(n > 1 for v in LOCAL_SIZES for n in _counts(os.environ.get(v))):
         return False
-    return any(raw == "1" for raw in sizes) or (os.environ.get("WORLD_SIZE") or "1").strip() in ("1", "")
+    if any(_counts(os.environ.get(v)) == [1] for v in LAUNCHED_SIZES):
+        return True
+    return all(n <= 1 for n in _counts(os.environ.get("WORLD_SIZE")))
 
 
 # Filesystems whose reads go through the kernel's page cache, which every process of a host

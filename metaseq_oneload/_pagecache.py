@@ -100,14 +100,39 @@ def prefault(address: int, nbytes: int) -> None:
     advise(lo, hi - lo, _MADV_POPULATE_WRITE)  # a refusal (ENOMEM, EFAULT) leaves the faults to preadv
 
 
+_CAP_FOWNER = 3
+
+
+def _acts_as_owner() -> bool:
+    """Whether this process holds CAP_FOWNER (root, unless a container dropped it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_FOWNER & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _overflow_uid() -> int:
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65534
+
+
 def _tells(fd: int) -> bool:
     """Whether ``mincore`` tells this process the page cache's state of the file open as
-    ``fd``: Linux (5.2 and later) tells it only for a file the process owns (or may act as its
-    owner: root) or could open for writing; for any other it says every page is resident."""
+    ``fd``. Linux (5.2 and later, ``can_do_mincore``) tells it only for a file the process owns,
+    may act as the owner of (CAP_FOWNER, over an owner its user namespace maps: not the
+    overflow uid a bind mount from outside shows), or could open for writing; for any other it
+    says every page is resident. Errs towards "does not tell" (a read-only bind mount refuses
+    the write check here though the kernel would tell): the reader then only loses its choice."""
     try:
         st = os.fstat(fd)
-        euid = os.geteuid()
-        if euid == 0 or st.st_uid == euid:
+        if st.st_uid == os.geteuid() or (_acts_as_owner() and st.st_uid != _overflow_uid()):
             return True
         if os.access not in os.supports_effective_ids:
             return False
@@ -159,7 +184,7 @@ class Residency:
 
     @property
     def probes(self) -> bool:
-        """Whether :meth:`held` tells anything (else it answers 1.0: nothing mapped)."""
+        """Whether :meth:`held` can tell anything (else it answers None: nothing mapped)."""
         return self._can_map
 
     def held(self, path: str, fd: int, offset: int, n: int) -> Optional[float]:

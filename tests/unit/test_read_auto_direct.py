@@ -347,3 +347,23 @@ def test_a_reader_that_cannot_tell_what_the_cache_holds_reads_as_without_a_probe
         reader.read_runs([run])
     assert torch.equal(run[2].view(torch.int32), sd["big"].view(torch.int32))
     assert watch["direct"] == []
+
+
+@pytest.mark.parametrize("env,alone", [
+    ({}, True),
+    ({"WORLD_SIZE": "1"}, True),
+    ({"WORLD_SIZE": " 8 "}, False),
+    ({"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "8"}, True),  # torchrun, one process per node
+    ({"SLURM_TASKS_PER_NODE": "1", "WORLD_SIZE": "4"}, False),  # an allocation's 1 says nothing of a spawn
+    ({"SLURM_NTASKS_PER_NODE": "1(x2),3"}, False),  # uneven nodes: the text is every node's
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, True),
+    ({"LOCAL_SIZE": "8"}, False),
+    ({"PMI_LOCAL_SIZE": "2"}, False),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "many"}, False),  # not a count: as if several
+])
+def test_which_launches_count_as_alone(monkeypatch, env, alone):
+    from metaseq_oneload._nodes import launched_alone
+
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert launched_alone() is alone

@@ -6,6 +6,7 @@ variable, the ranks' differences are worded by ``disagreement``, and the documen
 from __future__ import annotations
 
 import ast
+import collections
 import re
 from pathlib import Path
 
@@ -31,7 +32,8 @@ ALLOWED_READS = {
     # and how many processes a launcher started on this host (each may load alone)
     "_nodes.py": {"GROUP_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
                   "MPI_LOCALNRANKS", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "PALS_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE",
-                  "SLURM_TASKS_PER_NODE", "WORLD_SIZE"},
+                  "SLURM_TASKS_PER_NODE", "WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "PMI_LOCAL_SIZE",
+                  "JSM_NAMESPACE_LOCAL_SIZE"},
     # the XDG base directory, where the index key lives by default
     "formats/_index.py": {"XDG_CACHE_HOME"},
 }
@@ -186,21 +188,51 @@ def test_each_reader_checks_only_the_variables_it_uses(monkeypatch, tmp_path):
         mo.load_state_dict(path)
 
 
+def _bindings(tree: ast.AST, imports: bool = True) -> collections.Counter:
+    """How many times each name is bound anywhere in a module (assignments, augmented ones,
+    loop and comprehension targets, arguments, ``global`` statements, and imports unless
+    ``imports`` is False)."""
+    count = collections.Counter()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            count[n.id] += 1
+        elif isinstance(n, ast.arg):
+            count[n.arg] += 1
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            count.update(n.names)
+        elif imports and isinstance(n, (ast.Import, ast.ImportFrom)):
+            count.update((a.asname or a.name).split(".")[0] for a in n.names)
+    return count
+
+
 def _constants(tree: ast.AST) -> dict:
-    """A module's names bound to a string, or to a tuple of strings (as a frozenset)."""
+    """A module's names bound once, at its top level, to a string, a tuple of strings (as a
+    frozenset) or a sum of such tuples; a name bound anywhere else as well is not resolved."""
+    once = {name for name, k in _bindings(tree).items() if k == 1}
     out = {}
     for n in tree.body:
-        if not isinstance(n, ast.Assign):
+        if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id in once):
             continue
-        if isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
-            value = n.value.value
-        elif isinstance(n.value, ast.Tuple) and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
-                                                   for e in n.value.elts):
-            value = frozenset(e.value for e in n.value.elts)
-        else:
-            continue
-        out.update((t.id, value) for t in n.targets if isinstance(t, ast.Name))
+        value = _constant_value(n.value, out)
+        if value is not None:
+            out[n.targets[0].id] = value
     return out
+
+
+def _constant_value(node: ast.AST, known: dict):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                                           for e in node.elts):
+        return frozenset(e.value for e in node.elts)
+    if isinstance(node, ast.Name) and isinstance(known.get(node.id), frozenset):
+        return known[node.id]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _constant_value(node.left, known), _constant_value(node.right, known)
+        if isinstance(left, frozenset) and isinstance(right, frozenset):
+            return left | right
+    return None
 
 
 def _keys(node: ast.AST, parents: dict, consts: dict) -> set:
@@ -228,7 +260,10 @@ def _keys(node: ast.AST, parents: dict, consts: dict) -> set:
 def _environment_uses(path: Path, consts: dict) -> list:
     """(line, key or '<whole>') for every read or write of os.environ / os.getenv in a module."""
     tree = ast.parse(path.read_text())
-    consts = {**consts, **_constants(tree)}
+    own = _constants(tree)
+    # another module's constant (ENV from _hydra) counts here only where this module binds no
+    # such name itself, but by importing it
+    consts = {**{k: v for k, v in consts.items() if k not in _bindings(tree, imports=False)}, **own}
     parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
     environ_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "os"
                      for a in n.names if a.name == "environ"}
@@ -294,6 +329,29 @@ def test_the_scan_sees_what_it_looks_for(tmp_path):
                    'g = dict(os.environ)\nh = os.environ.get("METASEQ_ONELOAD_" + N)\n')
     got = {k for _, k in _environment_uses(src, {})}
     assert got == {"METASEQ_ONELOAD_X", "METASEQ_ONELOAD_Y", "Z", "W", "V", "R", "S", "<whole>", "<computed>"}
+
+
+@pytest.mark.parametrize("source", [
+    'import os\nS = ("A",)\nS += ("FOO",)\nx = [os.environ.get(v) for v in S]\n',
+    'import os\nS = ("A",)\nif True:\n    S = ("FOO",)\nx = [os.environ.get(v) for v in S]\n',
+    'import os\nS = ("A",)\ndef f():\n    global S\n    S = ("FOO",)\nx = [os.environ.get(v) for v in S]\n',
+    'import os\nS = ("A",)\ndef f(S):\n    return [os.environ.get(v) for v in S]\n',
+    'import os\nN = "A"\ndef f(N):\n    return os.environ.get(N)\n',
+    'import os\ndef f():\n    S = ("FOO",)\n    return [os.environ.get(v) for v in S]\n',
+])
+def test_the_scan_resolves_only_a_name_bound_once(tmp_path, source):
+    # a name bound more than once (or only here while another module binds it) may hold
+    # anything: the scan must not take the one value it sees for all of them
+    src = tmp_path / "m.py"
+    src.write_text(source)
+    got = {k for _, k in _environment_uses(src, {"S": frozenset({"A"})})}
+    assert got == {"<computed>"}, got
+
+
+def test_the_scan_resolves_a_sum_of_tuples_of_names(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('import os\nA = ("X",)\nB = ("Y",)\nC = A + B\nx = [os.environ.get(v) for v in C]\n')
+    assert {k for _, k in _environment_uses(src, {})} == {"X", "Y"}
 
 
 # --------------------------------------------------------------------------- the tables
