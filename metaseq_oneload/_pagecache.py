@@ -123,15 +123,14 @@ def _overflow_uid() -> int:
         return 65534
 
 
-def _tells(fd: int) -> bool:
+def _tells(fd: int, st: os.stat_result) -> bool:
     """Whether ``mincore`` tells this process the page cache's state of the file open as
-    ``fd``. Linux (5.2 and later, ``can_do_mincore``) tells it only for a file the process owns,
+    ``fd`` (its ``os.fstat``: ``st``). Linux (5.2 and later, ``can_do_mincore``) tells it only for a file the process owns,
     may act as the owner of (CAP_FOWNER, over an owner its user namespace maps: not the
     overflow uid a bind mount from outside shows), or could open for writing; for any other it
     says every page is resident. Errs towards "does not tell" (a read-only bind mount refuses
     the write check here though the kernel would tell): the reader then only loses its choice."""
     try:
-        st = os.fstat(fd)
         if st.st_uid == os.geteuid() or (_acts_as_owner() and st.st_uid != _overflow_uid()):
             return True
         if os.access not in os.supports_effective_ids:
@@ -170,22 +169,18 @@ class Residency:
             if path in self._maps:
                 return self._maps[path]
             entry = None
-            if self._can_map and _tells(fd):
+            if self._can_map:
                 try:
-                    size = os.fstat(fd).st_size
+                    st = os.fstat(fd)
                 except OSError:
-                    size = 0
+                    st = None
+                size = st.st_size if st is not None and _tells(fd, st) else 0
                 if size > 0:
                     addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
                     if addr not in (None, _MAP_FAILED):
                         entry = (addr, size)
             self._maps[path] = entry
             return entry
-
-    @property
-    def probes(self) -> bool:
-        """Whether :meth:`held` can tell anything (else it answers None: nothing mapped)."""
-        return self._can_map
 
     def held(self, path: str, fd: int, offset: int, n: int) -> Optional[float]:
         """The share (0..1) of the pages under bytes ``offset .. offset+n`` of ``path`` (open

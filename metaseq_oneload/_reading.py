@@ -158,6 +158,7 @@ def _inside(spans: tuple, offset: int, n: int) -> bool:
 
 
 DEFAULT_READ_THREADS = 8  # $METASEQ_ONELOAD_READ_THREADS unset
+_MIN_PIECE = 1 << 20  # below this a read is not worth a thread hand-off
 
 
 def _cpus() -> int:
@@ -166,7 +167,6 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-_MIN_PIECE = 1 << 20  # below this a read is not worth a thread hand-off
 
 
 class RangeReader:
@@ -562,13 +562,12 @@ class RangeReader:
         """How many threads read ``jobs`` (path, offset, destination): ``read_threads``, or no
         more than this process's CPUs where no count was asked for, the reader chooses per piece
         (its files' only reader, ``O_DIRECT=auto``) and the page cache holds at least half of
-        the bytes. Read
-        from the cache, a piece is a copy, the CPUs' work: more threads only take turns, and
-        starting them costs (0.27 GiB warm on 2 CPUs, 9 runs: 97.6 ms median with 8 threads,
+        the bytes. Read from the cache, a piece is a copy, the CPUs' work: more threads only
+        take turns, and starting them costs (0.27 GiB warm on 2 CPUs, 9 runs: 97.6 ms median with 8 threads,
         74.6 with 2, the read limit 75.1). Pieces the cache lacks wait on the device, where
         more requests in flight help: those keep every thread."""
         threads = self.read_threads
-        if self._threads_asked or self._residency is None or not self._residency.probes or threads <= 1:
+        if self._threads_asked or self._residency is None or threads <= 1:
             return threads
         cpus = _cpus()
         if cpus >= threads:

@@ -339,7 +339,7 @@ def test_a_reader_that_cannot_tell_what_the_cache_holds_reads_as_without_a_probe
 
     path, sd = saved
     _cold(path)
-    monkeypatch.setattr(_pagecache, "_tells", lambda fd: False)
+    monkeypatch.setattr(_pagecache, "_tells", lambda fd, st: False)
     run = _big_run(path)
     with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
         assert reader._residency.held(path, reader._fd(path), 0, 1 << 20) is None
