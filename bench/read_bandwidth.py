@@ -20,7 +20,12 @@ every run pays for fresh pages and re-reads the header:
   as the engine's reader does): the page faults' share of the limit. Not part of the limit,
   which stays plain ``preadv`` into fresh memory.
 
-Warm: the file is in the page cache. Cold: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the
+Each run first maps, fills and frees as much memory as the file before its clock starts
+(``_prime``: the host of this VM takes free memory back, and a page's first touch then waits
+on it); ``ONELOAD_BENCH_MEMORY=fresh`` in the environment leaves that wait in.
+
+Warm: the file is in the page cache, read again right before each run (this VM pages out
+what sat untouched for a minute). Cold: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the
 whole file before each run (its pages are clean: the file was fsync-ed), and each row shows
 the bytes the run read from the block device (``read_bytes`` of /proc/self/io) to show it
 was cold. Modes alternate within each round, and the table gives the best of the rounds
@@ -56,6 +61,30 @@ def _pread_all(fd: int, buf, size: int, step: int) -> None:
         done += n
 
 
+def _prime(nbytes: int) -> None:
+    """(in the child, before the clock) Map ``nbytes`` of private memory, have the kernel fill
+    its pages, and unmap it: the pages the timed run then allocates are ones this VM's host
+    backs already. The VM this was measured on reports free memory to its host
+    (virtio-balloon free page reporting, ``page_reporting_order=11``), which takes it back;
+    the first touch of such a page then waits on the host: ``MADV_POPULATE_WRITE`` of 1 GiB
+    took 3-12 s in a fresh process and 0.4-0.6 s once the same process had touched and freed
+    as much (docs/performance.md, seventh stop). That cost is the host's, it changes tenfold
+    with the host's load, and every row would pay it alike: primed, the rows time the
+    loaders. ``--memory fresh`` leaves it in."""
+    import ctypes
+    import mmap
+
+    from metaseq_oneload._pagecache import prefault
+
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = (ctypes.c_char * nbytes).from_buffer(m)
+    try:
+        prefault(ctypes.addressof(view), nbytes)
+    finally:
+        del view
+        m.close()
+
+
 def _child(mode: str, path: str, threads: int) -> dict:
     """(in a fresh process) One timed run of ``mode``; the bytes it delivered and read."""
     import ctypes
@@ -75,9 +104,17 @@ def _child(mode: str, path: str, threads: int) -> dict:
     gc.collect()
 
     size = os.path.getsize(path)
+    if os.environ.get("ONELOAD_BENCH_MEMORY", "primed") == "primed":
+        _prime(size + size // 8)
     before = proc_io()
     t0 = time.perf_counter()
-    if mode.startswith(("preadv", "prefault")):
+    if mode == "populate":  # the destination's pages alone: what every row pays before any byte lands
+        from metaseq_oneload._pagecache import prefault
+
+        buf = torch.empty(size, dtype=torch.uint8)
+        prefault(buf.data_ptr(), size)
+        delivered = 0
+    elif mode.startswith(("preadv", "prefault")):
         from metaseq_oneload._pagecache import prefault
 
         first = prefault if mode.startswith("prefault") else (lambda address, n: None)
@@ -242,12 +279,12 @@ def main(argv=None) -> int:
         states = ["warm"] + ([] if args.no_cold else ["cold"])
         for state in states:
             modes = _modes(threads, state == "cold", args.prefault)
-            if state == "warm":
-                run_mode("cat", path, 1, {})
             for rnd in range(args.repeats):
                 for label, mode, n, env in modes:
                     if state == "cold":
                         drop_cache([path])
+                    elif mode != "cat":
+                        run_mode("cat", path, 1, {})
                     r = run_mode(mode, path, n, env)
                     results.setdefault((state, label), []).append(r)
                     print(f"  {state} round {rnd + 1}: {label}: {r['seconds']:.2f} s", file=sys.stderr)

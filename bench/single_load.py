@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/single_load.py [--gib 0.25 0.5 1 2] [--repeat 3] [--json] [--keep DIR]
                                           [--cache warm|cold|both] [--only ours,cache,direct,...]
-                                          [--baseline DIR]
+                                          [--baseline DIR] [--memory primed|fresh]
 
 For each size, a synthetic fp32 metaseq singleton (``bench/_synth.py``; the same weights
 also saved as .safetensors beside it, each storage once) is loaded in a fresh process per
@@ -11,6 +11,9 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
 * the limit: ``preadv`` of the .pt file into one freshly allocated buffer of its size, on a
   pool of 2 and of 4 threads (16 MiB pieces); the best of the two is the limit of the row's
   cache state, and ``x limit`` is each row's time over it;
+* fresh memory alone: a buffer of the file's size whose pages the kernel maps in one call
+  (``MADV_POPULATE_WRITE``), nothing read: the share of every row that is the destination's
+  pages, which no loader that returns fresh tensors avoids;
 * ``load_state_dict(path, no_dist=True)`` as shipped (``$METASEQ_ONELOAD_O_DIRECT`` unset,
   i.e. ``auto``: O_DIRECT for the pieces the page cache lacks, ``preadv`` for the ones it
   holds), with ``=0`` (every piece through the page cache) and with ``=1`` (every piece with
@@ -23,12 +26,20 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
 * with ``--baseline DIR``, the engine again from the package in ``DIR`` (say
   ``git archive REV metaseq_oneload | tar -x -C DIR``): a change's effect, in the same rounds.
 
-Warm: the files are in the page cache. Cold: ``posix_fadvise(DONTNEED)`` on the files before
+Warm: the files are in the page cache, read again (``cat``) right before each run: the VM this
+was measured on pages out memory left untouched for a minute (DAMON), and a warm run that
+went to the device is not one (``read_bytes`` shows it). Cold: ``posix_fadvise(DONTNEED)`` on the files before
 each run (``read_bytes`` shows each run fetched the file from the device). Rows alternate
 within a round; the table gives the best and the median of ``--repeat`` rounds, and each
 row's time over the limit's twice: best over best (``x limit``), and median over the lower
 of the limit rows' medians (``x limit, medians``): on a shared machine one lucky run decides a
 best, and the limit, with two rows, has twice the chances of one.
+
+Memory: by default (``--memory primed``) each run maps, fills and frees as much memory as the
+file before its clock starts (``bench/read_bandwidth.py``'s ``_prime``): on a VM whose host
+takes free memory back, the first touch of a page waits on the host, 3-12 s per GiB in one
+hour here against 0.4-0.6 s for a page the host still backs, and that wait, the same for every
+row, would decide the table. ``--memory fresh`` keeps it in.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ LIMIT = ("preadv2", "preadv4")
 _ALL = {
     "limit2": ("limit: preadv, 2 threads, fresh memory", "preadv2", 2, {}),
     "limit4": ("limit: preadv, 4 threads, fresh memory", "preadv4", 4, {}),
+    "pages": ("fresh memory alone: its pages mapped, nothing read", "populate", 1, {}),
     "ours": ("oneload load_state_dict", "engine", 8, {}),
     "cache": ("oneload, O_DIRECT=0 (the cache)", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "0"}),
     "direct": ("oneload, O_DIRECT=1", "engine", 8, {"METASEQ_ONELOAD_O_DIRECT": "1"}),
@@ -82,7 +94,7 @@ def _modes() -> list:
     """(label, mode, threads, env), in the order each round runs them (the limit's always)."""
     import importlib.util
 
-    keys = [k for k in _ALL if not _ONLY or k in _ONLY or k in ("limit2", "limit4")]
+    keys = [k for k in _ALL if not _ONLY or k in _ONLY or k in ("limit2", "limit4", "pages")]
     if importlib.util.find_spec("fastsafetensors") is None:  # not a requirement: installed by hand
         keys = [k for k in keys if k != "fastst"]
     return [_ALL[k] for k in keys]
@@ -103,19 +115,19 @@ def _prepare(gib: float, folder: str) -> str:
     return path
 
 
-def _measure(path: str, repeat: int, states=("warm", "cold")) -> dict:
+def _measure(path: str, repeat: int, states=("warm", "cold"), memory: str = "primed") -> dict:
     results: dict = {}
     files = [path, os.path.splitext(path)[0] + ".safetensors"]
     for state in states:
-        if state == "warm":
-            for f in files:
-                run_mode("cat", f, 1, {})
         for rnd in range(repeat):
             for label, mode, n, env in _modes():
                 if state == "cold":
                     drop_cache(files)
+                else:  # read again right before: this VM pages out what sat untouched for a minute
+                    for f in files:
+                        run_mode("cat", f, 1, {})
                 try:
-                    r = run_mode(mode, path, n, env)
+                    r = run_mode(mode, path, n, {**env, "ONELOAD_BENCH_MEMORY": memory})
                 except RuntimeError as e:
                     r = {"error": str(e).strip().splitlines()[-1][:160]}
                 results.setdefault((state, label), []).append(r)
@@ -141,7 +153,7 @@ def _rows(results: dict, size: int, states=("warm", "cold")) -> list:
             rows.append({"cache": state, "run": label, "best_s": round(best, 3), "median_s": round(median, 3),
                          "gib_per_s": round(size / best / 2**30, 2), "x_limit": round(best / limit, 2),
                          "x_limit_median": round(median / limit_median, 2),
-                         "read_bytes_mib": round(max(r["read_bytes"] for r in runs) / MiB),
+                         "read_bytes_mib": round(max(r["read_bytes"] or 0 for r in runs) / MiB),
                          "delivered_mib": round(runs[0]["delivered"] / MiB)})
     return rows
 
@@ -155,6 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help=f"comma-separated rows besides the limit's: {', '.join(_ALL)}")
     ap.add_argument("--baseline", metavar="DIR",
                     help="also time the package in DIR (DIR/metaseq_oneload, e.g. from git archive) in the same rounds")
+    ap.add_argument("--memory", choices=("primed", "fresh"), default="primed",
+                    help="primed: each run first maps and frees as much memory as the file, before the "
+                         "clock (the host backs its pages: read_bandwidth._prime); fresh: it does not")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     global _ONLY
@@ -183,17 +198,17 @@ def main(argv=None) -> int:
             print(f"  {path}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             size = os.path.getsize(path)
             tables.append({"gib": gib, "file_bytes": size,
-                           "rows": _rows(_measure(path, args.repeat, states), size, states)})
+                           "rows": _rows(_measure(path, args.repeat, states, args.memory), size, states)})
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
-    meta = {"repeat": args.repeat, "torch": torch.__version__, "cpus": os.cpu_count()}
+    meta = {"repeat": args.repeat, "memory": args.memory, "torch": torch.__version__, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps({**meta, "tables": tables}, indent=2))
         return 0
     for t in tables:
         print(f"\n{t['file_bytes'] / 2**30:.2f} GiB fp32 singleton, best and median of {args.repeat}, "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs; 'x limit': best time over the best "
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs, memory {args.memory}; 'x limit': best time over the best "
               "preadv-into-fresh-memory time of the same cache state (below 1: faster than the limit); "
               "'x limit, medians': the row's median over the limit rows' lower median")
         header = ["cache", "run", "best s", "median s", "GiB/s", "x limit", "x limit, medians", "read_bytes MiB"]
