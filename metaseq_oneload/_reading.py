@@ -354,12 +354,12 @@ class RangeReader:
         if not self.direct and self._residency is not None and self._in_place and len(view) >= _MIN_PIECE:
             held = self._residency.held(path, self._fd(path), offset, len(view))
             chosen = held is not None and held < 0.5  # (not known: the cache, as without a probe)
+        got = None
         if self.direct or chosen:
             dfd = self._direct_fd(path)
             if dfd is not None:
                 self._no_readahead(path)
                 try:
-                    got = None
                     if self._in_place:
                         try:
                             got = self._read_in_place(path, dfd, offset, view)
@@ -367,14 +367,17 @@ class RangeReader:
                             if e.errno != errno.EINVAL:
                                 raise
                             self._in_place = False  # the device wants more than 512-byte alignment
-                    if got is not None:
-                        return got
-                    if self.direct:
-                        return self._read_direct(dfd, offset, view)
+                    if got is None and self.direct:
+                        got = self._read_direct(dfd, offset, view)
                 except OSError as e:
                     if e.errno != errno.EINVAL:  # alignment the device wants is not ours
                         raise
                     self._give_up_direct(path, dfd)
+        if got is not None:
+            # An O_DIRECT count off the block is taken for the file's end, but a filesystem
+            # may also return one mid-file (a signal, a network filesystem's short reply):
+            # the ordinary descriptor reads on from there, which at the real end reads nothing.
+            return got if got == len(view) else got + _pread_full(self._fd(path), offset + got, view[got:])
         if len(view) >= _MIN_PIECE:
             prefault(_address(view), len(view))  # one call, not a page fault per 4 KiB that preadv writes
         return _pread_full(self._fd(path), offset, view)

@@ -104,3 +104,36 @@ def test_a_file_cut_short_fails_alike_whichever_way_it_is_read(saved, tmp_path, 
                                          rf"{ext.byte_offset + NUMEL * 4} but the file ends at {cut}\."):
                     reader.read_extent(ext, 0, big[slack:], torch.float32)
         assert reader.bytes_read == 40
+
+
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_an_o_direct_read_that_stops_short_mid_file_is_read_on(saved, monkeypatch, mode):
+    """A filesystem may answer an O_DIRECT read with fewer bytes than asked mid-file (a
+    network filesystem's short reply, a signal), at a count off the 512-byte block that
+    otherwise marks the file's end: the reader reads on from there through the ordinary
+    descriptor and gives torch's bytes, not a "truncated" error. The syscall is wrapped to
+    report half of what it read (what a short reply looks like to the reader)."""
+    import fcntl
+
+    path, ext, ref = saved
+    if not _direct_ok(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    real, cut = os.preadv, {"n": 0}
+
+    def short(fd, buffers, offset, *flags):
+        n = real(fd, buffers, offset, *flags)
+        if n > 4096 and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            cut["n"] += 1
+            return n // 2 + 100
+        return n
+
+    monkeypatch.setattr(os, "preadv", short)
+    with RangeReader(read_threads=4, split_bytes=2 * MiB, direct=True) as reader:
+        for start, n, slack in READS:
+            if mode == "cold":
+                _cold(path)
+            big = torch.full((n + slack,), -1.0)
+            reader.read_extent(ext, start, big[slack:], torch.float32)
+            assert torch.equal(big[slack:].view(torch.int32), ref[start: start + n].view(torch.int32)), (start, n)
+            assert (big[:slack] == -1).all()
+    assert cut["n"] >= len(READS), cut
