@@ -201,9 +201,20 @@ def _ran_short(e: BaseException) -> "str | None":
     return None
 
 
-def out_of_resources(what: str, path: "str | os.PathLike | None" = None) -> OutOfResourcesError:
-    """The error for a machine that ran short (``what``: from :func:`resource_problem`)."""
+def out_of_resources(what: str, path: "str | os.PathLike | None" = None, *,
+                     unpickling: bool = False) -> OutOfResourcesError:
+    """The error for a machine that ran short (``what``: from :func:`resource_problem`).
+    ``unpickling``: it happened while a file's pickle ran, where the file itself chooses
+    what is allocated (an allowlisted ``bytearray(1 << 50)``, a legacy storage's size), so
+    a memory shortage may be the machine's or the file's; the error says both."""
     where = f"{os.fsdecode(path)}: " if path is not None else ""
+    if unpickling and what.startswith("memory"):
+        return OutOfResourcesError(
+            f"{where}ran out of memory while unpickling the file (out of {what}). Which is short cannot be "
+            "told from here: either this machine is (free memory or run fewer processes at once, or raise this "
+            "process's memory limit: ulimit -v, the container's or job's limit), or the file's pickle asks "
+            "for more memory than any checkpoint needs, as a damaged or crafted file does (copy it again from "
+            "its source; nothing from it was executed beyond the allowlisted calls).")
     return OutOfResourcesError(
         f"{where}this machine ran out of memory or threads while reading (out of {what}); the file is not at "
         "fault, and this is not a refusal of it. Free memory or run fewer processes at once, or raise this "

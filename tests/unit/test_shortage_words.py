@@ -136,3 +136,31 @@ def test_a_file_cannot_pass_for_a_full_machine(text, tmp_path):
         load_state_dict(str(path), no_dist=True)
     assert not isinstance(info.value, OutOfResourcesError), str(info.value)
     assert "crafted.pt" in str(info.value) and "ran out of memory" not in str(info.value)
+
+
+def test_a_pickle_that_asks_for_a_petabyte_is_not_called_the_machines_fault(tmp_path):
+    """torch's loader allows ``bytearray``: a data.pkl calling ``bytearray(1 << 50)`` makes
+    a MemoryError that the file chose. The error may not say the file is not at fault (the
+    words for a machine that ran short), nor blame the file alone: it says which two it can
+    be. The file is torch.save's, with its pickle rewritten."""
+    import zipfile
+
+    import torch
+
+    import metaseq_oneload as oneload
+
+    _memory_error()  # (skips where 1 PiB can be allocated)
+    path = tmp_path / "asks.pt"
+    torch.save({"model": {"w": torch.zeros(3)}}, path)
+    pkl = (b"\x80\x02}q\x00X\x05\x00\x00\x00modelq\x01c__builtin__\nbytearray\nq\x02\x8a\x08"
+           + (1 << 50).to_bytes(8, "little") + b"\x85q\x03Rq\x04s.")
+    with zipfile.ZipFile(path) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for info, data in items:
+            z.writestr(info, pkl if info.filename.endswith("/data.pkl") else data)
+    with pytest.raises(OutOfResourcesError) as info:
+        oneload.load_state_dict(str(path), no_dist=True)
+    text = str(info.value)
+    assert "not at fault" not in text and "asks.pt" in text
+    assert "crafted" in text and "this machine is" in text and "cannot be told" in text

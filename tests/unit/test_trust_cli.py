@@ -224,8 +224,10 @@ def test_a_machine_short_of_memory_or_threads_is_not_called_a_bad_file_nor_a_bug
         assert rc == 2, f"+{headroom_mib} MiB: exit {rc}, stderr:\n{stderr[-6000:]}"
         assert "could not be read as a checkpoint" not in stderr and "Re-create" not in stderr, stderr[-3000:]
         assert "internal error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
-        assert "ran out of memory or threads" in stderr and "ulimit" in stderr, stderr[-3000:]
-        assert "not at fault" in stderr, stderr[-3000:]
+        # (where memory ran out inside a file's pickle, the file may have asked for it: both are said)
+        plain = "ran out of memory or threads" in stderr and "not at fault" in stderr
+        unpickling = "ran out of memory while unpickling" in stderr and "this machine is" in stderr
+        assert (plain or unpickling) and "ulimit" in stderr, stderr[-3000:]
     print("\n" + "\n".join(f"+{h} MiB: {line}" for h, line in failed) + (f"\nover 60 s: +{slow} MiB" if slow else "")
           + (f"\ninterpreter starved: +{starved} MiB" if starved else ""))
     assert failed, "no headroom made the read fail: the test did not exercise a shortage"
