@@ -223,6 +223,7 @@ class RangeReader:
         self._residency = Residency() if chosen is None and alone else None
         self._fds: dict[str, int] = {}
         self._direct_fds: dict = {}  # path -> O_DIRECT descriptor, or None where refused
+        self._retired: list = []  # O_DIRECT descriptors given up on, open until close()
         self._random: set = set()  # paths whose ordinary descriptor reads no further than asked
         self._objects: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -262,8 +263,9 @@ class RangeReader:
             if self._pool_pid == os.getpid():
                 self._pool.shutdown(wait=True)
             self._pool = None
-        for fd in list(self._fds.values()) + [d for d in self._direct_fds.values() if d is not None]:
+        for fd in list(self._fds.values()) + [d for d in self._direct_fds.values() if d is not None] + self._retired:
             os.close(fd)
+        self._retired.clear()
         if self._residency is not None:
             self._residency.close()
         self._fds.clear()
@@ -318,7 +320,9 @@ class RangeReader:
         with self._lock:
             if self._direct_fds.get(path) == fd:
                 self._direct_fds[path] = None
-                os.close(fd)
+                # closed at close(), not now: another thread may be reading through it, and a
+                # number closed under it could be a file opened meanwhile (its bytes, no error)
+                self._retired.append(fd)
 
     def _executor(self):
         # A forked child inherits the pool object but none of its threads: start anew there.
@@ -402,7 +406,7 @@ class RangeReader:
         if shift and got:
             ctypes.memmove(p + head, p + head + shift, got)
         done += got
-        if got < body:  # the file ends inside the middle
+        if got < body:  # the file ends inside the middle, or a short reply (_read_piece reads on)
             return done
         return done + _pread_full(fd, offset + done, view[done:])
 
@@ -427,7 +431,7 @@ class RangeReader:
                 want = a1 - a0 - got
                 n = os.preadv(fd, [mv[got: a1 - a0]], a0 + got)
                 got += max(n, 0)
-                if n < want:  # short: the file ends here (and an unaligned retry would fail)
+                if n < want:  # short: the file's end or a short reply (_read_piece reads on; no unaligned retry)
                     break
             have = max(0, min(take, got - (pos - a0)))
             view[done: done + have] = mv[pos - a0: pos - a0 + have]
@@ -702,7 +706,8 @@ def _cut(offset: int, n: int, size: int) -> list:
 def _pread_full(fd: int, offset: int, view: memoryview, block: int = 0) -> int:
     """``preadv`` until ``view`` is full or the file ends: the bytes read. ``block``: an
     O_DIRECT descriptor's alignment (``offset`` and ``view`` aligned), where a count off it
-    is the end of the file (a retry from there would be refused)."""
+    stops the loop (the file's end, or a short reply the caller reads on from through the
+    ordinary descriptor: an O_DIRECT retry from there would be refused)."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
