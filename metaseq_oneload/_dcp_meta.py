@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from . import _storage
-from ._errors import CheckpointLayoutError, UnsafeCheckpointError, os_error_message
+from ._errors import CheckpointLayoutError, UnsafeCheckpointError, os_error_message, out_of_resources, resource_problem
 from ._zip import stat_key
 
 __all__ = ["METADATA", "ALLOWED", "Chunk", "TensorEntry", "Item", "DcpMetadata", "read_metadata", "metadata_of"]
@@ -593,6 +593,8 @@ def _cached(key: tuple) -> DcpMetadata:
             f"{path}: refused to unpickle the DCP metadata: {e.args[0]}. Nothing from the file was executed "
             "(torch's own reader would have run it: pickle.load). Re-save the checkpoint with "
             "torch.distributed.checkpoint.save from a trusted copy.") from None
+    except MemoryError as e:  # the machine's, or what the file's pickle builds (4 MiB of ']' is 4M lists)
+        raise out_of_resources(resource_problem(e) or "memory (MemoryError)", path, unpickling=True) from e
     except _Damaged as e:
         raise CheckpointLayoutError(
             f"{path}: not a readable torch.distributed.checkpoint metadata file: {e.args[0]}. Copy the folder "

@@ -191,10 +191,12 @@ def _ran_short(e: BaseException) -> "str | None":
         return f"memory (MemoryError{': ' + text[:300] if text else ''})"
     if isinstance(e, OSError) and e.errno == errno.ENOMEM:
         # an mmap, a read or a fork refused for memory (not EAGAIN: a pipe's BlockingIOError has it too)
-        return f"memory ({type(e).__name__}: {text[:300]})"
+        return f"memory for a mapping ({type(e).__name__}: {text[:300]})"
     if isinstance(e, RuntimeError):
         if type(e).__name__ == "OutOfMemoryError":  # torch's, by its type
             return f"memory ({type(e).__name__}: {text[:300]})"
+        if text.startswith("unable to mmap") and "Cannot allocate memory" in text:  # torch.load(mmap=True)'s
+            return f"memory for a mapping ({type(e).__name__}: {text[:300]})"
         for what, start in _SHORT_TEXTS:
             if text.startswith(start):
                 return f"{what} ({type(e).__name__}: {text[:300]})"
@@ -202,19 +204,23 @@ def _ran_short(e: BaseException) -> "str | None":
 
 
 def out_of_resources(what: str, path: "str | os.PathLike | None" = None, *,
-                     unpickling: bool = False) -> OutOfResourcesError:
+                     unpickling: bool = False, trusted: bool = False) -> OutOfResourcesError:
     """The error for a machine that ran short (``what``: from :func:`resource_problem`).
-    ``unpickling``: it happened while a file's pickle ran, where the file itself chooses
-    what is allocated (an allowlisted ``bytearray(1 << 50)``, a legacy storage's size), so
-    a memory shortage may be the machine's or the file's; the error says both."""
+    ``unpickling``: it happened while a file's pickle ran, where the file chooses what is
+    allocated (an allowlisted ``bytearray(1 << 50)``, a legacy storage's size), so a memory
+    shortage may be the machine's or the file's, and the error says both (not for a mapping
+    refused, whose size is the file's on disk). ``trusted``: the pickle ran with
+    ``trust_pickle``, its code and all."""
     where = f"{os.fsdecode(path)}: " if path is not None else ""
-    if unpickling and what.startswith("memory"):
+    if unpickling and what.startswith("memory ("):
+        ran = ("the file's code ran (trust_pickle)" if trusted else
+               "nothing from it was executed beyond the allowlisted calls")
         return OutOfResourcesError(
-            f"{where}ran out of memory while unpickling the file (out of {what}). Which is short cannot be "
-            "told from here: either this machine is (free memory or run fewer processes at once, or raise this "
-            "process's memory limit: ulimit -v, the container's or job's limit), or the file's pickle asks "
-            "for more memory than any checkpoint needs, as a damaged or crafted file does (copy it again from "
-            "its source; nothing from it was executed beyond the allowlisted calls).")
+            f"{where}ran out of memory while unpickling the file (out of {what}). This is either a shortage of "
+            "this machine's memory (free memory or run fewer processes at once, or raise this process's memory "
+            "limit: ulimit -v, the container's or job's limit), or the file's pickle asking for more than its "
+            f"checkpoint needs, as a damaged or crafted file does (copy it again from its source; {ran}). "
+            "Which of the two cannot be told from here.")
     return OutOfResourcesError(
         f"{where}this machine ran out of memory or threads while reading (out of {what}); the file is not at "
         "fault, and this is not a refusal of it. Free memory or run fewer processes at once, or raise this "

@@ -506,7 +506,7 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
         raise
     except RuntimeError as e:
         if (short := resource_problem(e)) is not None:  # the machine ran short, or the pickle asked too much
-            raise out_of_resources(short, path, unpickling=not isinstance(e, OSError)) from e
+            raise out_of_resources(short, path, unpickling=True, trusted=trust_pickle) from e
         msg = str(e)
         if "central directory" in msg or "zip archive" in msg or "PytorchStreamReader" in msg:
             raise CheckpointLayoutError(
@@ -524,7 +524,7 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
         raise _unrebuildable(path, e, trust_pickle) from e
     except Exception as e:  # noqa: BLE001 - whatever an allowlisted call or a crafted opcode raised in torch's loader
         if (short := resource_problem(e)) is not None:  # a MemoryError, an mmap's ENOMEM, an error met unwinding one
-            raise out_of_resources(short, path, unpickling=not isinstance(e, OSError)) from e
+            raise out_of_resources(short, path, unpickling=True, trusted=trust_pickle) from e
         if isinstance(e, OSError):
             raise CheckpointLayoutError(os_error_message(e, path)) from e
         raise _unrebuildable(path, e, trust_pickle) from e

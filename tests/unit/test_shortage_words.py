@@ -163,4 +163,46 @@ def test_a_pickle_that_asks_for_a_petabyte_is_not_called_the_machines_fault(tmp_
         oneload.load_state_dict(str(path), no_dist=True)
     text = str(info.value)
     assert "not at fault" not in text and "asks.pt" in text
-    assert "crafted" in text and "this machine is" in text and "cannot be told" in text
+    assert "crafted" in text and "this machine's memory" in text and "cannot be told" in text
+    assert "nothing from it was executed" in text
+    with pytest.raises(OutOfResourcesError) as info:  # its code did run: the error may not say otherwise
+        oneload.load_state_dict(str(path), no_dist=True, trust_pickle=True)
+    assert "nothing from it was executed" not in str(info.value) and "code ran" in str(info.value)
+
+
+def test_torchs_mapping_refused_for_memory_is_the_machines_shortage(tmp_path):
+    """torch.load(mmap=True) reports a refused mapping as a RuntimeError of its own words (not
+    an OSError): a shortage, and the machine's alone (the mapping's size is the file's on
+    disk, nothing its pickle chose), where it was called a damaged or crafted file."""
+    from metaseq_oneload._errors import out_of_resources
+
+    e = RuntimeError(f"unable to mmap 8390114 bytes from file <{tmp_path / 'x.pt'}>: Cannot allocate memory (12)")
+    what = resource_problem(e)
+    assert what is not None and what.startswith("memory for a mapping")
+    text = str(out_of_resources(what, tmp_path / "x.pt", unpickling=True))
+    assert "not at fault" in text and "crafted" not in text
+    assert resource_problem(RuntimeError("unable to mmap 8 bytes from file <x>: Permission denied (13)")) is None
+
+
+def test_a_dcp_metadata_whose_pickle_runs_out_of_memory_says_it_may_be_the_files(tmp_path, monkeypatch):
+    """DCP metadata is read by our own pickle machine, whose objects the file chooses (4 MiB
+    of ']' are 4 million lists): a MemoryError raised there is the machine's or the file's,
+    as for torch's loader, and names the .metadata. The MemoryError is injected into the
+    machine's run (a real one needs a process limit and minutes of a starved allocator)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from metaseq_oneload import _dcp_meta
+
+    folder = tmp_path / "dcp"
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(folder), no_dist=True)
+
+    def starved(self):
+        raise MemoryError()
+
+    monkeypatch.setattr(_dcp_meta._Machine, "run", starved)
+    _dcp_meta._cached.cache_clear()
+    with pytest.raises(OutOfResourcesError) as info:
+        _dcp_meta.metadata_of(str(folder))
+    text = str(info.value)
+    assert ".metadata" in text and "while unpickling" in text and "not at fault" not in text
