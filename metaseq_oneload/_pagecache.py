@@ -28,6 +28,11 @@ __all__ = ["Residency", "advise", "prefault", "MADV_DONTNEED", "MADV_POPULATE_RE
 _PAGE = mmap.PAGESIZE
 # bit 0 of each byte mincore writes is the page's residency; the other bits are undefined
 _LOW_BIT = bytes(i & 1 for i in range(256))
+# Residency.held over more than _WINDOWS * _WINDOW pages asks of that many pages, in evenly
+# spaced windows: mincore walks the page cache a page at a time (73 ns a page here: 0.3 ms per
+# 16 MiB piece, 40 ms per pass over a 2 GiB file, a tenth of a warm 0.27 GiB load), while the
+# cache holds a file in runs (read-ahead windows, large folios, what a reader left).
+_WINDOWS, _WINDOW = 16, 16
 
 
 def _libc():
@@ -184,7 +189,9 @@ class Residency:
 
     def held(self, path: str, fd: int, offset: int, n: int) -> Optional[float]:
         """The share (0..1) of the pages under bytes ``offset .. offset+n`` of ``path`` (open
-        as ``fd``) that the page cache holds now; 1.0 where nothing is asked (nothing to read
+        as ``fd``) that the page cache holds now, from 16 evenly spaced windows of 16 pages
+        where the range has more (``_WINDOWS``: exact at either end, and for a range held
+        whole or not at all); 1.0 where nothing is asked (nothing to read
         from the device); None where it cannot be told (see the module docstring and the
         class's): a caller then reads as if it did not know, never as if the cache held it."""
         if n <= 0:
@@ -198,10 +205,21 @@ class Residency:
         if b <= a:
             return 1.0
         pages = -(-(b - a) // _PAGE)
-        vec = ctypes.create_string_buffer(pages)
-        if _LIBC.mincore(addr + a, b - a, vec) != 0:
-            return None
-        return vec.raw.translate(_LOW_BIT).count(1) / pages
+        if pages <= _WINDOWS * _WINDOW:
+            windows = [(a, b - a)]
+        else:  # evenly spaced, the first at the range's start and the last at its end
+            gap = (pages - _WINDOW) // (_WINDOWS - 1)
+            windows = [(a + i * gap * _PAGE, _WINDOW * _PAGE) for i in range(_WINDOWS - 1)]
+            windows.append((a + (pages - _WINDOW) * _PAGE, b - a - (pages - _WINDOW) * _PAGE))
+        vec = ctypes.create_string_buffer(min(pages, _WINDOWS * _WINDOW))
+        held = asked = 0
+        for at, length in windows:
+            if _LIBC.mincore(addr + at, length, vec) != 0:
+                return None
+            n = -(-length // _PAGE)
+            held += vec.raw[:n].translate(_LOW_BIT).count(1)
+            asked += n
+        return held / asked
 
     def close(self) -> None:
         """(local, after the reader's last read) Unmap every file."""
