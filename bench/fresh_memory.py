@@ -33,7 +33,6 @@ from bench._report import print_table  # noqa: E402
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23
 
 
 def _thp_allocated() -> int:
@@ -48,15 +47,11 @@ def _child(nbytes: int, huge: bool) -> dict:
     """(in a fresh process) Four populate calls of ``nbytes``, each on a new mapping."""
     import ctypes
 
-    from metaseq_oneload._pagecache import advise
+    from metaseq_oneload._pagecache import _LIBC, _MADV_POPULATE_WRITE, advise  # (its libc, mmap typed)
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     seconds, thp = [], _thp_allocated()
     for _ in range(4):
-        base = libc.mmap(None, nbytes + _HUGE, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+        base = _LIBC.mmap(None, nbytes + _HUGE, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
         if base in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap refused")
         at = -(-base // _HUGE) * _HUGE  # 2 MiB aligned: every huge page asked for can be one
@@ -68,7 +63,7 @@ def _child(nbytes: int, huge: bool) -> dict:
                 raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE refused (kernel before 5.14?)")
             seconds.append(time.perf_counter() - t0)
         finally:
-            libc.munmap(base, nbytes + _HUGE)
+            _LIBC.munmap(base, nbytes + _HUGE)
     return {"first": seconds[0], "again": statistics.median(seconds[1:]), "thp": _thp_allocated() - thp}
 
 

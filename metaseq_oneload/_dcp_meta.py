@@ -594,7 +594,7 @@ def _cached(key: tuple) -> DcpMetadata:
             "(torch's own reader would have run it: pickle.load). Re-save the checkpoint with "
             "torch.distributed.checkpoint.save from a trusted copy.") from None
     except MemoryError as e:  # the machine's, or what the file's pickle builds (4 MiB of ']' is 4M lists)
-        raise out_of_resources(resource_problem(e) or "memory (MemoryError)", path, unpickling=True) from e
+        raise out_of_resources(resource_problem(e), path, unpickling=True) from e
     except _Damaged as e:
         raise CheckpointLayoutError(
             f"{path}: not a readable torch.distributed.checkpoint metadata file: {e.args[0]}. Copy the folder "

@@ -504,10 +504,12 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
                                     "again from its source.") from e
     except OneloadError:  # a remote file's own refusal, already in our words
         raise
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - whatever an allowlisted call or a crafted opcode raised in torch's loader
         if (short := resource_problem(e)) is not None:  # the machine ran short, or the pickle asked too much
             raise out_of_resources(short, path, unpickling=True, trusted=trust_pickle) from e
-        msg = str(e)
+        if isinstance(e, OSError):
+            raise CheckpointLayoutError(os_error_message(e, path)) from e
+        msg = str(e) if isinstance(e, RuntimeError) else ""
         if "central directory" in msg or "zip archive" in msg or "PytorchStreamReader" in msg:
             raise CheckpointLayoutError(
                 f"{path}: truncated or corrupted torch checkpoint ({msg.splitlines()[0]}). "
@@ -521,12 +523,6 @@ def _load_with_torch(path: str, *, trust_pickle: bool, **kwargs) -> Any:
                 f"{path}: a tensor's header and its stored bytes disagree ({msg.splitlines()[0]}); "
                 "the file is damaged or was edited: copy it again from its source."
             ) from e
-        raise _unrebuildable(path, e, trust_pickle) from e
-    except Exception as e:  # noqa: BLE001 - whatever an allowlisted call or a crafted opcode raised in torch's loader
-        if (short := resource_problem(e)) is not None:  # a MemoryError, an mmap's ENOMEM, an error met unwinding one
-            raise out_of_resources(short, path, unpickling=True, trusted=trust_pickle) from e
-        if isinstance(e, OSError):
-            raise CheckpointLayoutError(os_error_message(e, path)) from e
         raise _unrebuildable(path, e, trust_pickle) from e
 
 
