@@ -238,6 +238,39 @@ def test_the_probe_of_a_large_range_asks_of_a_sample_of_its_pages_and_tells_its_
     assert 0 < sum(-(-n // _pagecache._PAGE) for n in asked) <= 256, asked
 
 
+def test_a_cache_that_holds_only_the_sampled_pages_misleads_the_choice_not_the_bytes(saved, watch):
+    """The sample is trusted: a cold file whose cache holds exactly the probe's windows (what
+    a crafted reader elsewhere could arrange) is told as held and read through the cache, a
+    slower read of the right bytes, never wrong ones."""
+    from metaseq_oneload import _pagecache
+
+    path, sd = saved
+    start = storage_byte_offset(read_header(path)["model"]["big"])
+    page, n = _pagecache._PAGE, BIG * 4
+    a = start // page * page
+    pages = -(-(start + n - a) // page)
+    gap = (pages - _pagecache._WINDOW) // (_pagecache._WINDOWS - 1)
+    firsts = [a + i * gap * page for i in range(_pagecache._WINDOWS - 1)] + [a + (pages - _pagecache._WINDOW) * page]
+    _cold(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for at in firsts:
+            os.pread(fd, _pagecache._WINDOW * page, at)
+        r = Residency()
+        try:
+            assert r.held(path, fd, start, n) == 1.0  # misled: about 1 page in 12 is held
+        finally:
+            r.close()
+    finally:
+        os.close(fd)
+    out = torch.empty(BIG)
+    with RangeReader(read_threads=1, alone=True) as reader:
+        reader.read_extent(Extent(path, key_path("model", "big"), 0, BIG, start), 0, out, torch.float32)
+    assert torch.equal(out.view(torch.int32), sd["big"].view(torch.int32))
+    assert watch["direct"] == []
+
+
 def test_a_process_with_a_limited_address_space_maps_nothing_and_reads_through_the_cache(saved, tmp_path):
     # (a child: the limit cannot be lifted again in this process)
     import subprocess
