@@ -383,6 +383,41 @@ def test_a_count_asked_for_or_a_reader_that_does_not_choose_keeps_its_threads(sa
         assert reader._threads_for(jobs) == reader.read_threads > 1
 
 
+def _quarter_pieces(run: tuple) -> list:
+    """The run as 48 jobs of 256 KiB in file order (more than the thread count samples)."""
+    path, offset, out = run
+    raw, k = out.view(torch.uint8), 256 * 1024
+    return [(path, offset + a, raw[a:a + k]) for a in range(0, raw.numel(), k)]
+
+
+@pytest.mark.parametrize("held", [0.25, 0.75])
+def test_the_thread_count_asks_the_cache_of_a_sample_of_the_pieces(saved, one_cpu, monkeypatch, held):
+    # a probe per piece, before any read starts, took 10 ms over 2 GiB: at most 16 pieces,
+    # evenly spaced, still tell a file three quarters cached from one a quarter cached
+    path, _ = saved
+    _cold(path)
+    run = _big_run(path)
+    jobs = _quarter_pieces(run)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, int(held * len(jobs)) * 256 * 1024, run[1])
+    finally:
+        os.close(fd)
+    asked = []
+    real = Residency.held
+
+    def counted(self, *args):
+        asked.append(args[2])
+        return real(self, *args)
+
+    monkeypatch.setattr(Residency, "held", counted)
+    with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
+        assert len(jobs) == 48 > _reading._SAMPLED_PIECES
+        assert reader._threads_for(jobs) == (1 if held > 0.5 else reader.read_threads)
+    assert 0 < len(asked) <= _reading._SAMPLED_PIECES
+    assert asked[0] == jobs[0][1] and max(asked) > jobs[len(jobs) * 3 // 4][1]  # spread over the file
+
+
 def test_a_warm_lone_read_on_one_cpu_is_read_on_the_calling_thread(saved, one_cpu, monkeypatch):
     path, sd = saved
     _warm(path)
