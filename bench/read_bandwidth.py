@@ -68,7 +68,7 @@ def _prime(nbytes: int) -> None:
     (virtio-balloon free page reporting, ``page_reporting_order=11``), which takes it back;
     the first touch of such a page then waits on the host: ``MADV_POPULATE_WRITE`` of 1 GiB
     took 3-12 s in a fresh process and 0.4-0.6 s once the same process had touched and freed
-    as much (docs/performance.md, seventh stop). That cost is the host's, it changes tenfold
+    as much (docs/performance-history.md, seventh stop). That cost is the host's, it changes tenfold
     with the host's load, and every row would pay it alike: primed, the rows time the
     loaders. ``--memory fresh`` leaves it in."""
     import ctypes

@@ -95,7 +95,7 @@ def prefault(address: int, nbytes: int) -> None:
     """(local) Map the fresh pages of a destination in one call before a read fills them
     (``MADV_POPULATE_WRITE``): the kernel allocates them in a loop of its own instead of
     taking a fault per 4 KiB page as ``preadv`` writes (measured: a warm 1 GiB load 15% faster;
-    docs/performance.md). The bytes are left as they are. A destination whose first and last
+    docs/performance-history.md, fourth stop). The bytes are left as they are. A destination whose first and last
     whole pages are mapped already (a reused staging buffer, a module's parameters) is left
     alone: there the walk over mapped pages cost more than the read saved (about 130 ns per
     page against a warm copy's 5 ms per 64 MiB). Nothing where the kernel lacks the advice."""

@@ -518,7 +518,7 @@ class RangeReader:
         is cut), each piece taken by the next free one of ``read_threads`` threads: the read
         limit's own pattern. Filling a few tensors at once, each cut into pieces, put the
         device's requests out of file order: cold, 1 GiB on this VM, 0.97x of the limit
-        against 1.35x by medians (``bench/single_load.py --baseline``; docs/performance.md,
+        against 1.35x by medians (``bench/single_load.py --baseline``; docs/performance-history.md,
         fifth stop). ``progress(nbytes)`` is called on this
         thread as pieces finish. Every piece started has finished before anything is raised
         (they write into the destinations); after a failure no piece starts.
