@@ -29,6 +29,7 @@ this module checks it against the bytes a load reads, and reads nothing twice to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 import threading
 from typing import Mapping, Optional, Sequence
@@ -237,12 +238,29 @@ class Hashing:
             return
         size = torch.empty((), dtype=dtype).element_size()
         into = [(self._pieces(tid), (pos + start) * size) for tid, pos in at]
+        self.inner.read_extent(ext, start, out, dtype, sink=functools.partial(_feed, into))
 
-        def sink(off: int, view) -> None:
-            for p, base in into:
-                p.add_range(base + off, view)
 
-        self.inner.read_extent(ext, start, out, dtype, sink=sink)
+    reads_runs = True  # fill_all's runs come here, with their extents, not to the inner reader
+
+    def read_runs(self, runs: Sequence[tuple], progress=None) -> None:
+        """(local: this thread and the inner reader's pool) ``runs`` of
+        ``(path, offset, out, extent, its first element)`` (``byte_runs(..., sources=True)``),
+        read in file order by the inner reader and hashed as each piece lands, as
+        :meth:`read_extent` hashes."""
+        plain, sinks = [], []
+        for path, offset, out, ext, at in runs:
+            plain.append((path, offset, out))
+            where = self._where.get(ext)
+            size = out.element_size()
+            sinks.append(functools.partial(_feed, [(self._pieces(tid), (pos + at) * size) for tid, pos in where])
+                         if where else None)
+        self.inner.read_runs(plain, progress, sinks=sinks)
+
+
+def _feed(into: list, off: int, view) -> None:
+    for p, base in into:
+        p.add_range(base + off, view)
 
 
 class _Into:

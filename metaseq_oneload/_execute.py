@@ -155,8 +155,11 @@ def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader,
                 progress(w.out.numel() * w.out.element_size())
     if not pooled:
         return
-    runs = byte_runs(targets, pooled) if isinstance(reader, RangeReader) else None
-    if runs is not None:  # (a reader that wraps one, to see the bytes, keeps its read_extent)
+    # (asked of the class: a reader that wraps one, to see the bytes, forwards any other
+    # attribute, and reads runs only where it says so itself)
+    reads_runs = getattr(type(reader), "reads_runs", False)
+    runs = byte_runs(targets, pooled, sources=not isinstance(reader, RangeReader)) if reads_runs else None
+    if runs is not None:
         reader.read_runs(runs, progress)
         return
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -173,11 +176,12 @@ def fill_all(targets: Mapping[str, TargetTensor], wants: Sequence[Want], reader,
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def byte_runs(targets: Mapping[str, TargetTensor], wants: Sequence[Want]) -> Optional[list]:
+def byte_runs(targets: Mapping[str, TargetTensor], wants: Sequence[Want], sources: bool = False) -> Optional[list]:
     """(path, file offset, destination) for every element of ``wants`` (each planned as
     :func:`plain_runs`), as :func:`fill` would read them: ``RangeReader.read_runs`` reads such
-    a list in file order. None where a destination wants a cast, or is not contiguous CPU
-    memory: those go through :func:`fill`."""
+    a list in file order. With ``sources``, each run also carries the :class:`Extent` it reads
+    and its first element there (the digest check's reader hashes by extent). None where a
+    destination wants a cast, or is not contiguous CPU memory: those go through :func:`fill`."""
     runs = []
     for w in wants:
         if w.out.device.type != "cpu" or not w.out.is_contiguous():
@@ -190,7 +194,8 @@ def byte_runs(targets: Mapping[str, TargetTensor], wants: Sequence[Want]) -> Opt
                 return None
             out, size = w.out[lo - w.start: hi - w.start], w.out.element_size()
             for ext, at, a, b in stored_parts(c.src, c.src_start + lo - c.dst_start, hi - lo):
-                runs.append((ext.path, ext.byte_offset + at * size, out[a:b]))
+                run = (ext.path, ext.byte_offset + at * size, out[a:b])
+                runs.append(run + (ext, at) if sources else run)
     return runs
 
 

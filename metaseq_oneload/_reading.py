@@ -30,6 +30,7 @@ import contextlib
 import copy
 import ctypes
 import errno
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -509,10 +510,16 @@ class RangeReader:
         with self._lock:
             self.bytes_read += len(view)
 
-    def read_runs(self, runs: Sequence[tuple], progress: Optional[Callable[[int], None]] = None) -> None:
+    reads_runs = True  # (a class attribute: a wrapper's __getattr__ does not answer for it)
+
+    def read_runs(self, runs: Sequence[tuple], progress: Optional[Callable[[int], None]] = None,
+                  sinks: Optional[Sequence] = None) -> None:
         """(local: this thread and the reader's pool) For each ``(path, offset, out)``, the
         bytes of local file ``path`` from ``offset`` on into ``out`` (a contiguous CPU tensor
-        of the stored dtype: no cast), with every check of :meth:`read_extent`.
+        of the stored dtype: no cast), with every check of :meth:`read_extent`. ``sinks``,
+        where given, holds one ``sink(at, bytes)`` (or None) per run, handed each piece of
+        its run on the thread that read it, ``at`` bytes into the run, as it lands (as
+        :meth:`read_extent`'s ``sink``: the digest check hashes there).
 
         The runs are read in file order, cut where the file's pieces end (as one large read
         is cut), each piece taken by the next free one of ``read_threads`` threads: the read
@@ -525,7 +532,7 @@ class RangeReader:
 
         Memory: beyond the destinations, the O_DIRECT bounce buffer of a thread that reads a
         short piece with ``direct=True`` (4 MiB at most, as for any read)."""
-        jobs = self._ordered_pieces(runs)
+        jobs = self._ordered_pieces(runs, sinks)
         lock = threading.Lock()
         state = {"next": 0, "done": 0, "told": 0, "failed": None}
 
@@ -536,9 +543,11 @@ class RangeReader:
                     if state["failed"] is not None or i >= len(jobs):
                         return
                     state["next"] = i + 1
-                path, offset, view = jobs[i]
+                path, offset, view, sink, at = jobs[i]
+                if sink is not None:
+                    sink = functools.partial(_from, sink, at)
                 try:
-                    self._pread(path, offset, view, split=False)
+                    self._pread(path, offset, view, sink, split=False)
                 except BaseException as e:  # an interrupt, raised on this thread, stops the others too
                     with lock:
                         state["failed"] = state["failed"] or e
@@ -587,7 +596,7 @@ class RangeReader:
         # each) took 10 ms over a 2 GiB file's 250 pieces, before any read starts; 16 take 0.7 ms
         step = max(1, -(-len(jobs) // _SAMPLED_PIECES))
         total = held = 0.0
-        for path, offset, view in jobs[::step]:
+        for path, offset, view, *_ in jobs[::step]:
             n = view.numel() * view.element_size()
             share = self._residency.held(path, self._fd(path), offset, n)
             if share is None:  # not known (a file mincore will not tell of): as if cold
@@ -596,21 +605,22 @@ class RangeReader:
             held += n * share
         return cpus if total and 2 * held >= total else threads
 
-    def _ordered_pieces(self, runs: Sequence[tuple]) -> list:
-        """(path, offset, destination) of every run, cut at multiples of the piece size in the
+    def _ordered_pieces(self, runs: Sequence[tuple], sinks: Optional[Sequence] = None) -> list:
+        """(path, offset, destination, the run's sink or None, the piece's place in its run in
+        bytes) of every run, cut at multiples of the piece size in the
         file (as :meth:`_pieces` cuts one read: at most ``split_bytes``, smaller where the runs
         in all would not keep every thread busy; runs of under two minimum pieces whole), in
         file order (the pieces, not the runs: two runs over the same bytes, into two
         destinations, interleave)."""
         size = self._piece_size(sum(out.numel() * out.element_size() for *_, out in runs))
         jobs = []
-        for path, offset, out in runs:
+        for (path, offset, out), sink in zip(runs, sinks if sinks is not None else [None] * len(runs)):
             n = out.numel() * out.element_size()
             if n < 2 * _MIN_PIECE:  # (a tensor of one element may have any stride: not viewed as bytes)
-                jobs.extend([(path, offset, out)] if n else [])
+                jobs.extend([(path, offset, out, sink, 0)] if n else [])
                 continue
             raw = out.view(torch.uint8)  # many elements, contiguous: cut anywhere
-            jobs.extend((path, offset + a, raw[a:b]) for a, b in _cut(offset, n, size))
+            jobs.extend((path, offset + a, raw[a:b], sink, a) for a, b in _cut(offset, n, size))
         jobs.sort(key=lambda j: (j[0], j[1]))
         return jobs
 
@@ -727,6 +737,11 @@ def _pread_full(fd: int, offset: int, view: memoryview, block: int = 0) -> int:
 def _address(view: memoryview) -> int:
     """Where a writable memoryview's first byte lies in memory."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _from(sink, base: int, at: int, view: memoryview) -> None:
+    """``sink`` handed bytes ``at`` into a piece that lies ``base`` bytes into its run."""
+    sink(base + at, view)
 
 
 def _sunk(sink, at: int, view: memoryview, got: int) -> int:

@@ -145,6 +145,38 @@ def test_a_flipped_bit_is_loaded_by_plain_and_sum_loads_and_caught_by_the_digest
     assert any(a <= where < b for a, b in spans), (where, spans)
 
 
+@pytest.mark.parametrize("flipped", [False, True])
+def test_a_checked_load_reads_its_plain_tensors_as_one_list_of_runs_and_hashes_them(copy, monkeypatch, flipped):
+    # a load hashing what it reads took the per-tensor path, 8 threads a tensor and a pool of
+    # fills on top, where a plain one reads one list of runs in file order (1.7x warm at 2 GiB):
+    # the runs now carry their extents to the hashing reader, and every byte is hashed once
+    src, first, _ = copy
+    full = materialize(synth_model())
+    if flipped:
+        flip_bit(first, EMBED, at=0.3)
+    calls, real = [], RangeReader.read_runs
+
+    def spy(self, runs, progress=None, sinks=None):
+        calls.append((sum(out.numel() * out.element_size() for _, _, out in runs), sinks))
+        return real(self, runs, progress, sinks)
+
+    monkeypatch.setattr(RangeReader, "read_runs", spy)
+    monkeypatch.setenv("METASEQ_ONELOAD_READ_THREADS", "4")  # a small set: read serially by default
+    if flipped:
+        with pytest.raises(mo.DigestError, match=rf"{EMBED} \(float32 \[6002, 128\]\): its bytes hash to"):
+            mo.load_checkpoint(first, verify="digest")
+        return
+    plain = mo.load_checkpoint(first)
+    calls_plain, calls[:] = list(calls), []
+    loaded = mo.load_checkpoint(first, verify="digest")
+    assert [n for n, _ in calls] == [n for n, _ in calls_plain] and sum(n for n, _ in calls) > 0, calls
+    assert all(sinks is not None and all(s is not None for s in sinks) for _, sinks in calls)
+    assert loaded.report.bytes_read == plain.report.bytes_read  # hashed as read: nothing read again
+    assert loaded.report.digests_checked == sum(1 for t in stored_tensors(discover(first)) if t.nbytes)
+    for k, v in full.items():
+        assert torch.equal(loaded.model[k], v), k
+
+
 def test_load_into_checks_too(copy):
     src, first, _ = copy
     flip_bit(first, "decoder.layers.1.fc2.weight", at=0.1)
