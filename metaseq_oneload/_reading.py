@@ -614,7 +614,7 @@ class RangeReader:
         destinations, interleave)."""
         size = self._piece_size(sum(out.numel() * out.element_size() for *_, out in runs))
         jobs = []
-        for (path, offset, out), sink in zip(runs, sinks if sinks is not None else [None] * len(runs)):
+        for (path, offset, out), sink in zip(runs, sinks if sinks is not None else [None] * len(runs), strict=True):
             n = out.numel() * out.element_size()
             if n < 2 * _MIN_PIECE:  # (a tensor of one element may have any stride: not viewed as bytes)
                 jobs.extend([(path, offset, out, sink, 0)] if n else [])
