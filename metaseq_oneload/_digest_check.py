@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import struct
 import threading
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -337,37 +337,55 @@ def _decode(blob: bytes, keep, tensors: Sequence[StoredTensor]) -> tuple:
 
 def check(dp: Group, mp: Group, layout: Optional[CheckpointLayout], hashing: Optional[Hashing],
           readers: Sequence[int], reader, path) -> tuple:
-    """(collective over ``dp``, then ``mp``) Combine every rank's leaves and check each read
-    stored tensor against its recorded digest on one rank (spread over the ``readers`` of
-    every data-parallel group). Returns (this rank's DigestError or other failure, or None;
-    how many stored tensors the load checked in all). Never raises."""
-    error, mine = None, b""
+    """(collective over ``dp``, then ``mp``) Send each read stored tensor's leaves to the one
+    rank that checks it (spread over the ``readers`` of every data-parallel group: the reader
+    ``(tid // mp_size) % len(readers)`` of the model-parallel rank ``tid % mp_size``), first
+    over ``dp``, then over ``mp``, and check them there against the recorded digest. Returns
+    (this rank's DigestError or other failure, or None; how many stored tensors the load
+    checked in all). Never raises but for a lost peer.
+
+    Each rank sends only what its checkers need (an all-to-all): the partial leaves at a
+    rank's ends of every flat parameter (up to 1 MiB each) went to every rank before, padded
+    to the largest rank's (35 MB received by each rank of a 2 GiB model on 4 ranks)."""
+    error = None
+    mp_size, mp_rank = (mp.size, mp.rank) if mp.active else (1, 0)
+    dp_size, dp_rank = (dp.size, dp.rank) if dp.active else (1, 0)
+    readers = list(readers) or [dp_rank]
+
+    def checker(tid: int) -> int:
+        return readers[(tid // mp_size) % len(readers)]
+
+    def mine_(tid: int) -> bool:
+        return tid % mp_size == mp_rank and checker(tid) == dp_rank
+
     try:
-        if hashing is not None:
-            mine = _encode(hashing.pieces)
-    except Exception as e:  # still take part: the others wait in the gathers
-        error = e
-    blob = mine
-    if dp.active and dp.size > 1:
-        dp.at(f"loading {path}: checking digests (gathering leaves)")
-        blob = b"".join(dp.all_gather_bytes(blob))
-    if mp.active and mp.size > 1:
-        mp.at(f"loading {path}: checking digests (gathering leaves)")
-        blob = b"".join(mp.all_gather_bytes(blob))
+        pieces = hashing.pieces if hashing is not None else {}
+        to_dp = [_encode({tid: p for tid, p in pieces.items() if checker(tid) == d}) for d in range(dp_size)]
+    except Exception as e:  # still take part: the others wait in the exchanges
+        error, to_dp = e, [b""] * dp_size
+    dp.at(f"loading {path}: checking digests (sending leaves to their checkers)")
+    got_dp = b"".join(dp.exchange_bytes(to_dp))
+    try:
+        to_mp = [b"".join(rec for tid, rec in _records(got_dp) if tid % mp_size == m) for m in range(mp_size)]
+    except Exception as e:
+        error, to_mp = error or e, [b""] * mp_size
+    mp.at(f"loading {path}: checking digests (sending leaves to their checkers)")
+    blob = b"".join(mp.exchange_bytes(to_mp))
+    try:
+        tensors = stored_tensors(layout) if layout is not None else ()
+        # (a rank that cannot see the files reads nothing and checks nothing)
+        got, seen = _decode(blob, mine_ if layout is not None else (lambda tid: False), tensors)
+        if layout is not None and any(not mine_(tid) for tid in seen):
+            raise RuntimeError(f"digest check: leaves of tensors {sorted(t for t in seen if not mine_(t))[:5]} "
+                               "reached a rank that does not check them")
+    except Exception as e:
+        error, got, seen = error or e, {}, set()
+    # every tensor's leaves end on one rank: the load's count is the sum of the ranks'
+    checked = sum(dp.all_gather_json(len(seen))) if dp.active and dp.size > 1 else len(seen)
+    checked = sum(mp.all_gather_json(checked)) if mp.active and mp.size > 1 else checked
     if error is not None:
         return error, 0
     try:
-        if layout is None:  # (a rank that cannot see the files reads nothing and checks nothing)
-            return None, len(_decode(blob, lambda tid: False, ())[1])
-        tensors = stored_tensors(layout)
-        mp_size, mp_rank = (mp.size, mp.rank) if mp.active else (1, 0)
-        dp_rank = dp.rank if dp.active else 0
-        readers = list(readers) or [dp_rank]
-
-        def mine_(tid: int) -> bool:
-            return tid % mp_size == mp_rank and readers[(tid // mp_size) % len(readers)] == dp_rank
-
-        got, seen = _decode(blob, mine_, tensors)
         bad = []
         for tid, p in sorted(got.items()):
             why = _check_one(layout, tensors[tid], p, reader)
@@ -375,10 +393,23 @@ def check(dp: Group, mp: Group, layout: Optional[CheckpointLayout], hashing: Opt
                 bad.append(why)
         if bad:
             more = f" (and {len(bad) - 3} more tensor(s))" if len(bad) > 3 else ""
-            return DigestError("verify='digest': " + "; ".join(bad[:3]) + more + ". " + _FIX), len(seen)
-        return None, len(seen)
+            return DigestError("verify='digest': " + "; ".join(bad[:3]) + more + ". " + _FIX), checked
+        return None, checked
     except Exception as e:
         return e, 0
+
+
+def _records(blob: bytes) -> Iterator[tuple]:
+    """(tensor number, its encoded record) of every record in ``blob`` (:func:`_encode`'s)."""
+    pos = 0
+    while pos < len(blob):
+        tid, nl, nf, nc = _HEAD.unpack_from(blob, pos)
+        end = pos + _HEAD.size + nl * 40
+        for _ in range(nf):
+            end += _FRAG.size + _FRAG.unpack_from(blob, end)[1]
+        end += nc * _LEAF.size
+        yield tid, blob[pos:end]
+        pos = end
 
 
 _FIX = ("The file(s) changed since the digests were recorded, or the index's claim is wrong: nothing loaded "

@@ -371,6 +371,30 @@ class Group:
         self.wait_all([dist.all_gather(out, buf, group=self.group, async_op=True)])
         return [bytes(o[: int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
+    def exchange_bytes(self, payloads: Sequence[bytes]) -> list:
+        """(collective) ``payloads[i]`` to local rank ``i``; returns what each local rank sent
+        this one, in local-rank order. An all-to-all: each byte goes only to the rank that wants
+        it, where :meth:`all_gather_bytes` sends every rank everything, padded to the longest."""
+        if len(payloads) != self.size:
+            raise ValueError(f"exchange_bytes: {len(payloads)} payloads for a group of {self.size}")
+        if not self.active or self.size == 1:
+            return list(payloads)
+        sent = [len(p) for p in payloads]
+        table = [torch.zeros(self.size, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+        mine = torch.tensor(sent, dtype=torch.int64, device=self.device)
+        self.wait_all([dist.all_gather(table, mine, group=self.group, async_op=True)])
+        got = [int(row[self.rank].item()) for row in table]
+        blob = b"".join(payloads)
+        inp = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if blob
+               else torch.empty(0, dtype=torch.uint8, device=self.device))
+        out = torch.empty(sum(got), dtype=torch.uint8, device=self.device)
+        self.wait_all([dist.all_to_all_single(out, inp, got, sent, group=self.group, async_op=True)])
+        data, parts, pos = out.cpu().numpy().tobytes(), [], 0
+        for n in got:
+            parts.append(data[pos: pos + n])
+            pos += n
+        return parts
+
     def all_gather_json(self, obj) -> list:
         return [json.loads(b) for b in self.all_gather_bytes(json.dumps(obj).encode())]
 

@@ -127,14 +127,47 @@ def _assert_caught(rows, files, mp2_file):
         assert "its bytes hash to" in flipped[1] and "copy the set again" in flipped[1], row
 
 
+def routed(rank: int, world: int, good: str, *_) -> list:
+    """(collective over the default group) exchange_bytes between the 4 ranks, then a flat
+    load's digest check: which tensors' leaves reached this rank, and which it checked."""
+    from metaseq_oneload import _digest_check
+    from metaseq_oneload._dist import Group
+
+    group = Group(torch.distributed.group.WORLD)
+    sent = [b"" if d == rank else f"{rank}>{d};".encode() * (1 + rank + d) for d in range(world)]
+    received = group.exchange_bytes(sent)
+    decoded, real = [], _digest_check._decode
+
+    def spy(blob, keep, tensors):
+        got, seen = real(blob, keep, tensors)
+        decoded.append([sorted(seen), sorted(got)])
+        return got, seen
+
+    _digest_check._decode = spy
+    try:
+        checked = mo.load_checkpoint(good, flat=True, verify="digest").report.digests_checked
+    finally:
+        _digest_check._decode = real
+    return [[r.decode() for r in received], checked, decoded]
+
+
 def both(rank: int, world: int, *paths) -> list:
-    return [one_group(*paths), grid2x2(rank, world, *paths)]
+    return [one_group(*paths), grid2x2(rank, world, *paths), routed(rank, world, *paths)]
 
 
 def test_digest_checked_loads_on_4_ranks(sets, tmp_path):
     paths, files, mp2_file = sets
     results = run_ranks(4, both, *paths, tmp_path=tmp_path, timeout=240)
-    for rows, grid in results:
+    # each rank got from every other exactly what that one addressed to it, and nothing from itself
+    for rank, (_, _, (received, _, _)) in enumerate(results):
+        assert received == ["" if s == rank else f"{s}>{rank};" * (1 + s + rank) for s in range(4)], received
+    # a flat load's check: each stored tensor's leaves reach only the rank that checks it (they
+    # went to every rank before: 35 MB each for 2 GiB on 4 ranks), and every tensor is checked once
+    checked_by = [t for _, _, (_, _, decoded) in results for seen, got in decoded for t in got]
+    for _, _, (_, checked, decoded) in results:
+        assert [seen for seen, _ in decoded] == [got for _, got in decoded], decoded
+        assert checked == len(checked_by) == len(set(checked_by)) > 0
+    for rows, grid, _ in results:
         assert rows[-1] == ["plain takes the flip", [True, True]]
         _assert_caught(rows[:-1], files, mp2_file)
         _assert_caught(grid, files, mp2_file)
