@@ -337,10 +337,12 @@ def _decode(blob: bytes, keep, tensors: Sequence[StoredTensor]) -> tuple:
 
 def check(dp: Group, mp: Group, layout: Optional[CheckpointLayout], hashing: Optional[Hashing],
           readers: Sequence[int], reader, path) -> tuple:
-    """(collective over ``dp``, then ``mp``) Send each read stored tensor's leaves to the one
-    rank that checks it (spread over the ``readers`` of every data-parallel group: the reader
-    ``(tid // mp_size) % len(readers)`` of the model-parallel rank ``tid % mp_size``), first
-    over ``dp``, then over ``mp``, and check them there against the recorded digest. Returns
+    """(collective over ``mp``, then ``dp``) Send each read stored tensor's leaves to the one
+    rank that checks it: over ``mp`` to the model-parallel rank ``tid % mp_size``, then over
+    that rank's ``dp`` to its reader ``(tid // mp_size) % len(readers)``, and check them there
+    against the recorded digest. (In that order: ``readers``, the ranks of a data-parallel group
+    that see the files, differ between groups, and the second step uses the checker's group's
+    own.) Returns
     (this rank's DigestError or other failure, or None; how many stored tensors the load
     checked in all). Never raises but for a lost peer.
 
@@ -360,17 +362,17 @@ def check(dp: Group, mp: Group, layout: Optional[CheckpointLayout], hashing: Opt
 
     try:
         pieces = hashing.pieces if hashing is not None else {}
-        to_dp = [_encode({tid: p for tid, p in pieces.items() if checker(tid) == d}) for d in range(dp_size)]
+        to_mp = [_encode({tid: p for tid, p in pieces.items() if tid % mp_size == m}) for m in range(mp_size)]
     except Exception as e:  # still take part: the others wait in the exchanges
-        error, to_dp = e, [b""] * dp_size
-    dp.at(f"loading {path}: checking digests (sending leaves to their checkers)")
-    got_dp = b"".join(dp.exchange_bytes(to_dp))
-    try:
-        to_mp = [b"".join(rec for tid, rec in _records(got_dp) if tid % mp_size == m) for m in range(mp_size)]
-    except Exception as e:
-        error, to_mp = error or e, [b""] * mp_size
+        error, to_mp = e, [b""] * mp_size
     mp.at(f"loading {path}: checking digests (sending leaves to their checkers)")
-    blob = b"".join(mp.exchange_bytes(to_mp))
+    got_mp = b"".join(mp.exchange_bytes(to_mp))
+    try:  # (a rank that cannot see the files forwards what it got, as any other)
+        to_dp = [b"".join(rec for tid, rec in _records(got_mp) if checker(tid) == d) for d in range(dp_size)]
+    except Exception as e:
+        error, to_dp = error or e, [b""] * dp_size
+    dp.at(f"loading {path}: checking digests (sending leaves to their checkers)")
+    blob = b"".join(dp.exchange_bytes(to_dp))
     try:
         tensors = stored_tensors(layout) if layout is not None else ()
         # (a rank that cannot see the files reads nothing and checks nothing)
@@ -381,8 +383,8 @@ def check(dp: Group, mp: Group, layout: Optional[CheckpointLayout], hashing: Opt
     except Exception as e:
         error, got, seen = error or e, {}, set()
     # every tensor's leaves end on one rank: the load's count is the sum of the ranks'
-    checked = sum(dp.all_gather_json(len(seen))) if dp.active and dp.size > 1 else len(seen)
-    checked = sum(mp.all_gather_json(checked)) if mp.active and mp.size > 1 else checked
+    checked = sum(mp.all_gather_json(len(seen))) if mp.active and mp.size > 1 else len(seen)
+    checked = sum(dp.all_gather_json(checked)) if dp.active and dp.size > 1 else checked
     if error is not None:
         return error, 0
     try:

@@ -316,3 +316,79 @@ def test_the_checker_reads_what_no_rank_read(copy):
         read_stored(bad, 0, torch.empty(10, dtype=t.dtype), hashing)
         error, _ = check(Group(None), Group(None), lay2, hashing, [0], reader, first)
     assert isinstance(error, mo.DigestError) and EMBED in str(error)
+
+
+class _Grid:
+    """Ranks (d, m) of a dp x mp grid as threads of this process: each group's collectives
+    (exchange_bytes, all_gather_json) meet at a barrier and swap through a shared dict, so
+    that check's routing runs as on real ranks, in any grid."""
+
+    def __init__(self, dp: int, mp: int):
+        import threading
+
+        self.box: dict = {}
+        self.barriers = {("dp", m): threading.Barrier(dp) for m in range(mp)}
+        self.barriers.update({("mp", d): threading.Barrier(mp) for d in range(dp)})
+
+    def group(self, kind: str, d: int, m: int):
+        grid = self
+
+        class G:
+            active, calls = True, 0
+            key = (kind, m) if kind == "dp" else (kind, d)
+            rank = d if kind == "dp" else m
+            size = grid.barriers[key].parties
+
+            def at(self, step):
+                pass
+
+            def _swap(self, value):
+                self.calls += 1
+                grid.box[(self.key, self.calls, self.rank)] = value
+                grid.barriers[self.key].wait(timeout=30)
+                out = [grid.box[(self.key, self.calls, r)] for r in range(self.size)]
+                grid.barriers[self.key].wait(timeout=30)
+                return out
+
+            def exchange_bytes(self, payloads):
+                sent = self._swap(list(payloads))
+                return [sent[s][self.rank] for s in range(self.size)]
+
+            def all_gather_json(self, obj):
+                return self._swap(obj)
+
+        return G()
+
+
+def test_leaves_reach_their_checker_when_data_parallel_groups_see_the_files_differently(copy):
+    # dp=2 x mp=2, rank (dp 1, mp 1) blind: model-parallel rank 1's group has one reader, rank
+    # 0's two. Routed over dp first with the sender's readers, a record hashed on (0, 1) landed
+    # on (0, 0), which does not check it (a good set refused), and one hashed on mp rank 0
+    # landed on the blind rank, which checks nothing (a tensor counted and never checked)
+    import threading
+
+    _, first, _ = copy
+    layout = discover(first)
+    tensors = stored_tensors(layout)
+    grid, results = _Grid(2, 2), {}
+
+    def rank(d: int, m: int) -> None:
+        blind = (d, m) == (1, 1)
+        hashing = None
+        if not blind:  # every rank that sees the files read every tensor (as the exchange's readers may)
+            hashing = Hashing(RangeReader(read_threads=1), layout)
+            for t in tensors:
+                read_stored(t, 0, torch.empty(t.numel, dtype=t.dtype), hashing)
+        readers = [0] if m == 1 else [0, 1]
+        results[(d, m)] = check(grid.group("dp", d, m), grid.group("mp", d, m), None if blind else layout,
+                                hashing, readers, RangeReader(read_threads=1), first)
+
+    threads = [threading.Thread(target=rank, args=(d, m)) for d in range(2) for m in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 4, results
+    n = sum(1 for t in tensors if t.nbytes)
+    for where, (error, checked) in results.items():
+        assert error is None and checked == n, (where, error, checked)
