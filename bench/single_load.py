@@ -40,6 +40,12 @@ file before its clock starts (``bench/read_bandwidth.py``'s ``_prime``): on a VM
 takes free memory back, the first touch of a page waits on the host, 3-12 s per GiB in one
 hour here against 0.4-0.6 s for a page the host still backs, and that wait, the same for every
 row, would decide the table. ``--memory fresh`` keeps it in.
+
+Round by round: under each size's table, ``ours`` against every other row in the same rounds
+(its time over the row's, the median and range of those ratios, the rounds it won, and a
+two-sided sign test of that split). Whether a peer is faster is read there: this VM's runs
+spread by 20-40% between rounds, more than the differences between the fast rows, and the
+rows of one round share what disturbed it.
 """
 
 from __future__ import annotations
@@ -158,6 +164,41 @@ def _rows(results: dict, size: int, states=("warm", "cold")) -> list:
     return rows
 
 
+def sign_test(wins: int, n: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least as uneven as ``wins`` of ``n``
+    where either side is as likely to win a round (no difference)."""
+    from math import comb
+
+    if n == 0:
+        return 1.0
+    k = min(wins, n - wins)
+    return min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def _paired(results: dict, states=("warm", "cold")) -> list:
+    """``ours`` against every other row, round by round: the rows of a round run back to back,
+    so what disturbs a round (the host, a neighbour) disturbs both, where a row's median
+    carries it alone. A peer is faster only where ours lost a lopsided share of the rounds."""
+    rows = []
+    ours = _ALL["ours"][0]
+    for state in states:
+        mine = results.get((state, ours), [])
+        for label, mode, *_ in _modes():
+            if label == ours or mode == "populate":
+                continue
+            theirs = results.get((state, label), [])
+            ratios = [a["seconds"] / b["seconds"] for a, b in zip(mine, theirs)
+                      if "seconds" in a and "seconds" in b]
+            if not ratios:
+                continue
+            wins = sum(r < 1 for r in ratios)
+            rows.append({"cache": state, "against": label, "rounds": len(ratios),
+                         "ratio_median": round(statistics.median(ratios), 3),
+                         "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                         "ours_faster": wins, "sign_p": round(sign_test(wins, len(ratios)), 4)})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="model sizes, GiB (fp32)")
@@ -197,8 +238,9 @@ def main(argv=None) -> int:
             path = _prepare(gib, folder)
             print(f"  {path}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             size = os.path.getsize(path)
-            tables.append({"gib": gib, "file_bytes": size,
-                           "rows": _rows(_measure(path, args.repeat, states, args.memory), size, states)})
+            results = _measure(path, args.repeat, states, args.memory)
+            tables.append({"gib": gib, "file_bytes": size, "rows": _rows(results, size, states),
+                           "paired": _paired(results, states)})
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -217,6 +259,13 @@ def main(argv=None) -> int:
                  f"{r['x_limit']:.2f}x", f"{r['x_limit_median']:.2f}x", str(r["read_bytes_mib"])]
                 for r in t["rows"]]
         print_table(header, body)
+        if t["paired"]:
+            print(f"\n{t['file_bytes'] / 2**30:.2f} GiB, round by round: ours' time over the row's in the same round; "
+                  "'sign p': two-sided sign test of 'ours faster' rounds (small: the split is not chance)")
+            print_table(["cache", "against", "rounds", "ours / row, median", "range", "ours faster", "sign p"],
+                        [[p["cache"], p["against"], str(p["rounds"]), f"{p['ratio_median']:.3f}",
+                          f"{p['ratio_range'][0]:.2f}-{p['ratio_range'][1]:.2f}",
+                          f"{p['ours_faster']} of {p['rounds']}", f"{p['sign_p']:.3f}"] for p in t["paired"]])
     return 0
 
 
