@@ -306,30 +306,44 @@ def _decode(blob: bytes, keep, tensors: Sequence[StoredTensor]) -> tuple:
     """({tensor number: Pieces} for the numbers ``keep`` accepts, every number seen)."""
     got: dict = {}
     seen: set = set()
-    pos, mv = 0, memoryview(blob)
-    while pos < len(blob):
-        tid, nl, nf, nc = _HEAD.unpack_from(blob, pos)
-        pos += _HEAD.size
+    for tid, rec in _records(blob):
         seen.add(tid)
-        p = None
         if keep(tid):
             p = got.get(tid)
             if p is None:
                 p = got[tid] = Pieces(tensors[tid])
-        for _ in range(nl):
-            if p is not None:
-                p._leaf(_LEAF.unpack_from(blob, pos)[0], bytes(mv[pos + 8: pos + 40]))
-            pos += 40
-        for _ in range(nf):
-            off, n = _FRAG.unpack_from(blob, pos)
-            if p is not None:
-                p.frags.setdefault(off // LEAF, []).append((off, bytes(mv[pos + 12: pos + 12 + n])))
-            pos += 12 + n
-        for _ in range(nc):
-            if p is not None:
-                p.conflicts.add(_LEAF.unpack_from(blob, pos)[0])
-            pos += 8
+            _parse(rec, p)
     return got, seen
+
+
+def _records(blob: bytes) -> Iterator[tuple]:
+    """(tensor number, a view of its encoded record) of every record in ``blob`` (:func:`_encode`'s): the
+    one walk of the format, which routing (the records whole) and :func:`_decode` share."""
+    pos, mv = 0, memoryview(blob)
+    while pos < len(blob):
+        tid, nl, nf, nc = _HEAD.unpack_from(blob, pos)
+        end = pos + _HEAD.size + nl * 40
+        for _ in range(nf):
+            end += _FRAG.size + _FRAG.unpack_from(blob, end)[1]
+        end += nc * _LEAF.size
+        yield tid, mv[pos:end]
+        pos = end
+
+
+def _parse(rec: memoryview, p: Pieces) -> None:
+    """Add one record's leaves, fragments and conflicting leaves to ``p``."""
+    _, nl, nf, nc = _HEAD.unpack_from(rec, 0)
+    pos = _HEAD.size
+    for _ in range(nl):
+        p._leaf(_LEAF.unpack_from(rec, pos)[0], bytes(rec[pos + 8: pos + 40]))
+        pos += 40
+    for _ in range(nf):
+        off, n = _FRAG.unpack_from(rec, pos)
+        p.frags.setdefault(off // LEAF, []).append((off, bytes(rec[pos + 12: pos + 12 + n])))
+        pos += 12 + n
+    for _ in range(nc):
+        p.conflicts.add(_LEAF.unpack_from(rec, pos)[0])
+        pos += 8
 
 
 # --------------------------------------------------------------------------- the check
@@ -399,19 +413,6 @@ def check(dp: Group, mp: Group, layout: Optional[CheckpointLayout], hashing: Opt
         return None, checked
     except Exception as e:
         return e, 0
-
-
-def _records(blob: bytes) -> Iterator[tuple]:
-    """(tensor number, its encoded record) of every record in ``blob`` (:func:`_encode`'s)."""
-    pos = 0
-    while pos < len(blob):
-        tid, nl, nf, nc = _HEAD.unpack_from(blob, pos)
-        end = pos + _HEAD.size + nl * 40
-        for _ in range(nf):
-            end += _FRAG.size + _FRAG.unpack_from(blob, end)[1]
-        end += nc * _LEAF.size
-        yield tid, blob[pos:end]
-        pos = end
 
 
 _FIX = ("The file(s) changed since the digests were recorded, or the index's claim is wrong: nothing loaded "
