@@ -16,11 +16,18 @@ taking ``--piece-mib`` MiB pieces (the engine's reader's pieces):
 * ``preadv``: the read limit of ``bench/single_load.py``, ``preadv`` writing into pages the
   kernel maps one fault per 4 KiB as it writes;
 * ``copy out of a mapping``: ``memmove`` from a shared read-only mapping of the file, then
-  ``MADV_DONTNEED`` over the piece's source (its page-table entries dropped: the resident
-  mapping #26 asks to avoid). A file cut short while this copies kills the process (SIGBUS);
+  ``MADV_DONTNEED`` over the piece's source (here, not in safetensors: its page-table entries
+  dropped, the resident mapping #26 asks to avoid), with and without the source's pages mapped
+  in one call first (``MADV_POPULATE_READ``, the faster of the two in docs/performance-history.md's
+  sixth stop). A file cut short while this copies kills the process (SIGBUS);
 * ``process_vm_readv`` from that mapping, with and without the pages mapped first: the
   same source copied by the kernel, which returns a short count where the file was cut
-  short (no signal): the one way to copy out of a mapping a loader could take safely.
+  short (no signal): the one safe form of a copy out of a mapping a Python loader can take.
+
+Unlike ``bench/single_load.py``, one process for all paths and no priming of its memory: a
+round's first fresh mapping may wait on the host (docs/performance.md), on whichever path the
+shuffle put first. One round before the timed ones (not counted) starts the threads and maps
+the file once on every path.
 
 The table gives each path's median and best time, and round by round its time over the
 engine's in the same round (median ratio, and the rounds it was faster in).
@@ -53,6 +60,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_READ, _PROT_RW = 1, 3
 _MAP_SHARED, _MAP_PRIVATE_ANON = 0x01, 0x22
 _MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22
 
 
 class _IOVec(ctypes.Structure):
@@ -66,6 +74,7 @@ PATHS = {  # the first is what the others are held against: the engine's reader
     "preadv+pages": "preadv, pages mapped first (the engine)",
     "preadv": "preadv (the limit's)",
     "memmove": "copy out of a mapping",
+    "memmove+source": "copy out of a mapping, its pages mapped first",
     "pvm": "process_vm_readv from a mapping",
     "pvm+pages": "process_vm_readv, pages mapped first",
 }
@@ -104,6 +113,8 @@ def _land(path: str, fd: int, src: int, size: int, pool, piece: int) -> float:
                 raise OSError(ctypes.get_errno(), f"process_vm_readv: {got} of {n} bytes")
             _LIBC.madvise(src + off, n, _MADV_DONTNEED)
         else:
+            if path.endswith("+source"):  # the mapping's page-table entries in one call, not a fault per 16 pages
+                _LIBC.madvise(src + off, n, _MADV_POPULATE_READ)
             ctypes.memmove(dst + off, src + off, n)
             _LIBC.madvise(src + off, n, _MADV_DONTNEED)
 
@@ -132,6 +143,8 @@ def main(argv=None) -> int:
     keys = list(PATHS)
     times: dict = {k: [] for k in keys}
     with ThreadPoolExecutor(args.threads) as pool:
+        for k in keys:  # the warm-up round, not counted
+            _land(k, fd, src, size, pool, args.piece_mib << 20)
         for _ in range(args.rounds):
             order = keys[:]
             random.shuffle(order)

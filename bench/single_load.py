@@ -41,11 +41,13 @@ takes free memory back, the first touch of a page waits on the host, 3-12 s per 
 hour here against 0.4-0.6 s for a page the host still backs, and that wait, the same for every
 row, would decide the table. ``--memory fresh`` keeps it in.
 
-Round by round: under each size's table, ``ours`` against every other row in the same rounds
-(its time over the row's, the median and range of those ratios, the rounds it won, and a
-two-sided sign test of that split). Whether a peer is faster is read there: this VM's runs
-spread by 20-40% between rounds, more than the differences between the fast rows, and the
-rows of one round share what disturbed it.
+Round by round: under each size's table, ``ours`` against every other row but "fresh memory
+alone" in the same rounds (its time over the row's, the median and range of those ratios, the
+rounds it won, and a two-sided sign test of that split). Whether a peer is faster is read
+there: this VM's runs spread by 20-40% between rounds, more than the differences between the
+fast rows, and the rows of one round share what disturbed it. The test is weak with few
+rounds (of 10, only a 9-1 split or more gives p < 0.05): a large p says "not shown faster",
+not "level". The rows run in a fixed order within a round.
 """
 
 from __future__ import annotations
