@@ -237,9 +237,12 @@ class Hashing:
             self.inner.read_extent(ext, start, out, dtype)
             return
         size = torch.empty((), dtype=dtype).element_size()
-        into = [(self._pieces(tid), (pos + start) * size) for tid, pos in at]
-        self.inner.read_extent(ext, start, out, dtype, sink=functools.partial(_feed, into))
+        self.inner.read_extent(ext, start, out, dtype, sink=self._sink(at, start, size))
 
+    def _sink(self, where: Sequence[tuple], first: int, size: int):
+        """What hashes the bytes read from element ``first`` of an extent on, into the pieces of
+        every stored tensor ``where`` lists there."""
+        return functools.partial(_feed, [(self._pieces(tid), (pos + first) * size) for tid, pos in where])
 
     reads_runs = True  # fill_all's runs come here, with their extents, not to the inner reader
 
@@ -252,9 +255,7 @@ class Hashing:
         for path, offset, out, ext, at in runs:
             plain.append((path, offset, out))
             where = self._where.get(ext)
-            size = out.element_size()
-            sinks.append(functools.partial(_feed, [(self._pieces(tid), (pos + at) * size) for tid, pos in where])
-                         if where else None)
+            sinks.append(self._sink(where, at, out.element_size()) if where else None)
         self.inner.read_runs(plain, progress, sinks=sinks)
 
 
@@ -321,11 +322,17 @@ def _records(blob: bytes) -> Iterator[tuple]:
     one walk of the format, which routing (the records whole) and :func:`_decode` share."""
     pos, mv = 0, memoryview(blob)
     while pos < len(blob):
-        tid, nl, nf, nc = _HEAD.unpack_from(blob, pos)
-        end = pos + _HEAD.size + nl * 40
-        for _ in range(nf):
-            end += _FRAG.size + _FRAG.unpack_from(blob, end)[1]
-        end += nc * _LEAF.size
+        try:
+            tid, nl, nf, nc = _HEAD.unpack_from(blob, pos)
+            end = pos + _HEAD.size + nl * 40
+            for _ in range(nf):
+                end += _FRAG.size + _FRAG.unpack_from(blob, end)[1]
+            end += nc * _LEAF.size
+        except struct.error:  # a header past the end
+            end = None
+        if end is None or end > len(blob):  # (a view would stop at the blob's end, silently short)
+            raise RuntimeError(f"digest check: the record at byte {pos} runs past the end of the {len(blob)} "
+                               "bytes of leaves the peers sent")
         yield tid, mv[pos:end]
         pos = end
 

@@ -22,7 +22,7 @@ import metaseq_oneload as mo
 from bench._synth import materialize, metaseq_lm, write_metaseq
 from metaseq_oneload import _header, _zip
 from metaseq_oneload._digest import LEAF, digest_tensor, tensor_bytes
-from metaseq_oneload._digest_check import Hashing, Pieces, _decode, _encode, check, stored_tensors
+from metaseq_oneload._digest_check import _HEAD, Hashing, Pieces, _decode, _encode, _records, check, stored_tensors
 from metaseq_oneload._dist import Group
 from metaseq_oneload._execute import read_stored
 from metaseq_oneload._layout import StoredTensor
@@ -277,6 +277,22 @@ def test_pieces_from_several_holders_cut_off_leaf_combine_in_any_order():
     from metaseq_oneload._digest import tensor_digest
 
     assert tensor_digest("w", st.dtype, st.shape, p.leaves) == digest_tensor("w", t)
+
+
+def test_a_record_cut_short_is_refused_by_a_rank_that_only_routes_or_counts_it():
+    # A blob whose last record claims more than the blob holds: the rank that forwards it
+    # (routing, records whole) and a rank that decodes nothing of it (keep refuses) must not
+    # pass it on or count it as seen.
+    t, st = _stored(1_200_000)
+    p = Pieces(st)
+    p.add_range(0, tensor_bytes(t))
+    blob = _encode({0: p})
+    for cut in (1, 20, len(blob) - _HEAD.size - 1):
+        short = blob[:-cut]
+        with pytest.raises(RuntimeError, match="runs past the end"):
+            list(_records(short))
+        with pytest.raises(RuntimeError, match="runs past the end"):
+            _decode(short, lambda tid: False, [st])
 
 
 def test_a_leaf_read_twice_that_differs_is_a_conflict_and_a_gap_is_missing():
