@@ -30,7 +30,8 @@ shuffle put first. One round before the timed ones (not counted) starts the thre
 the file once on every path.
 
 The table gives each path's median and best time, and round by round its time over the
-engine's in the same round (median ratio, and the rounds it was faster in).
+engine's in the same round (median ratio, the rounds it was faster in, and the two-sided sign
+test of that split, ``bench/single_load.py``'s).
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.dirname(HERE))
 
 from bench._report import print_table  # noqa: E402
+from bench.single_load import sign_test  # noqa: E402
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _LIBC.process_vm_readv.restype = ctypes.c_ssize_t
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_READ, _PROT_RW = 1, 3
@@ -89,7 +90,7 @@ def _mmap(size: int, prot: int, flags: int, fd: int) -> int:
 
 def _land(path: str, fd: int, src: int, size: int, pool, piece: int) -> float:
     """Seconds to land the file's bytes in fresh memory along ``path`` (a key of PATHS)."""
-    from metaseq_oneload._pagecache import prefault
+    from metaseq_oneload._pagecache import advise, prefault
 
     dst = _mmap(size, _PROT_RW, _MAP_PRIVATE_ANON, -1)
     view = memoryview((ctypes.c_char * size).from_address(dst)).cast("B")
@@ -111,12 +112,12 @@ def _land(path: str, fd: int, src: int, size: int, pool, piece: int) -> float:
             got = _LIBC.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
             if got != n:
                 raise OSError(ctypes.get_errno(), f"process_vm_readv: {got} of {n} bytes")
-            _LIBC.madvise(src + off, n, _MADV_DONTNEED)
+            advise(src + off, n, _MADV_DONTNEED)
         else:
             if path.endswith("+source"):  # the mapping's page-table entries in one call, not a fault per 16 pages
-                _LIBC.madvise(src + off, n, _MADV_POPULATE_READ)
+                advise(src + off, n, _MADV_POPULATE_READ)
             ctypes.memmove(dst + off, src + off, n)
-            _LIBC.madvise(src + off, n, _MADV_DONTNEED)
+            advise(src + off, n, _MADV_DONTNEED)
 
     t0 = time.perf_counter()
     list(pool.map(one, range(0, size, piece)))
@@ -155,16 +156,18 @@ def main(argv=None) -> int:
         ratios = [a / b for a, b in zip(times[k], times[keys[0]])]
         rows.append({"path": PATHS[k], "median_s": round(statistics.median(times[k]), 4),
                      "best_s": round(min(times[k]), 4), "ratio_median": round(statistics.median(ratios), 3),
-                     "faster_rounds": sum(r < 1 for r in ratios)})
+                     "faster_rounds": sum(r < 1 for r in ratios),
+                     "sign_p": round(sign_test(sum(r < 1 for r in ratios), len(ratios)), 4)})
     if args.json:
         print(json.dumps({"file_bytes": size, "rounds": args.rounds, "threads": args.threads, "rows": rows}, indent=2))
         return 0
     print(f"{size / 2**30:.2f} GiB held by the page cache into fresh memory, {args.threads} threads, "
           f"{args.piece_mib} MiB pieces, {args.rounds} rounds in one process; 'over {PATHS[keys[0]]}': "
           "the path's time over that row's in the same round")
-    print_table(["path", "median s", "best s", f"over {PATHS[keys[0]]}, median", "faster in"],
-                [[r["path"], f"{r['median_s']:.4f}", f"{r['best_s']:.4f}", f"{r['ratio_median']:.3f}",
-                  "-" if r["path"] == PATHS[keys[0]] else f"{r['faster_rounds']} of {args.rounds}"] for r in rows])
+    print_table(["path", "median s", "best s", f"over {PATHS[keys[0]]}, median", "faster in", "sign p"],
+                [[r["path"], f"{r['median_s']:.4f}", f"{r['best_s']:.4f}", f"{r['ratio_median']:.3f}"]
+                 + (["-", "-"] if r["path"] == PATHS[keys[0]] else
+                    [f"{r['faster_rounds']} of {args.rounds}", f"{r['sign_p']:.4f}"]) for r in rows])
     return 0
 
 
