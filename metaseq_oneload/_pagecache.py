@@ -187,10 +187,10 @@ class Residency:
             self._maps[path] = entry
             return entry
 
-    def held(self, path: str, fd: int, offset: int, n: int) -> Optional[float]:
+    def held(self, path: str, fd: int, offset: int, n: int, windows: int = _WINDOWS) -> Optional[float]:
         """The share (0..1) of the pages under bytes ``offset .. offset+n`` of ``path`` (open
-        as ``fd``) that the page cache holds now, from 16 evenly spaced windows of 16 pages
-        where the range has more (``_WINDOWS``: exact at either end, and for a range held
+        as ``fd``) that the page cache holds now, from ``windows`` (at least 2) evenly spaced
+        windows of 16 pages where the range has more (exact at either end, and for a range held
         whole or not at all); 1.0 where nothing is asked (nothing to read
         from the device); None where it cannot be told (see the module docstring and the
         class's): a caller then reads as if it did not know, never as if the cache held it."""
@@ -205,15 +205,16 @@ class Residency:
         if b <= a:
             return 1.0
         pages = -(-(b - a) // _PAGE)
-        if pages <= _WINDOWS * _WINDOW:
-            windows = [(a, b - a)]
+        count = max(2, windows)
+        if pages <= count * _WINDOW:
+            spans = [(a, b - a)]
         else:  # evenly spaced, the first at the range's start and the last at its end
-            gap = (pages - _WINDOW) // (_WINDOWS - 1)
-            windows = [(a + i * gap * _PAGE, _WINDOW * _PAGE) for i in range(_WINDOWS - 1)]
-            windows.append((a + (pages - _WINDOW) * _PAGE, b - a - (pages - _WINDOW) * _PAGE))
-        vec = ctypes.create_string_buffer(min(pages, _WINDOWS * _WINDOW))
+            gap = (pages - _WINDOW) // (count - 1)
+            spans = [(a + i * gap * _PAGE, _WINDOW * _PAGE) for i in range(count - 1)]
+            spans.append((a + (pages - _WINDOW) * _PAGE, b - a - (pages - _WINDOW) * _PAGE))
+        vec = ctypes.create_string_buffer(min(pages, count * _WINDOW))
         held = asked = 0
-        for at, length in windows:
+        for at, length in spans:
             if _LIBC.mincore(addr + at, length, vec) != 0:
                 return None
             n = -(-length // _PAGE)

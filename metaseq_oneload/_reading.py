@@ -593,12 +593,14 @@ class RangeReader:
         if any(_storage.is_url(path) for path, *_ in jobs):
             return threads
         # a sample of the pieces, evenly spaced in file order: a probe per piece (16 windows
-        # each) took 10 ms over a 2 GiB file's 250 pieces, before any read starts; 16 take 0.7 ms
+        # each) took 10 ms over a 2 GiB file's 250 pieces, before any read starts; 16 pieces
+        # took 0.7 ms, and each asked at its two ends, not in 16 windows, 0.1 ms
+        # (bench/thread_probe.py): a share of the whole, not a choice per piece
         step = max(1, -(-len(jobs) // _SAMPLED_PIECES))
         total = held = 0.0
         for path, offset, view, *_ in jobs[::step]:
             n = view.numel() * view.element_size()
-            share = self._residency.held(path, self._fd(path), offset, n)
+            share = self._residency.held(path, self._fd(path), offset, n, windows=2)
             if share is None:  # not known (a file mincore will not tell of): as if cold
                 return threads
             total += n

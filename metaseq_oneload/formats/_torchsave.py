@@ -524,7 +524,9 @@ def _check_grid(fs: FileSet) -> tuple:
 
 
 def _read_headers(paths: Sequence[str]) -> dict:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+    if len(paths) <= 1:  # a singleton's header is cached by detection: a pool's start is the cost
+        return {p: read_header(p) for p in paths}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
         return dict(zip(paths, pool.map(read_header, paths)))
 
 # --------------------------------------------------------------------------- sets of files

@@ -417,9 +417,9 @@ def test_the_thread_count_asks_the_cache_of_a_sample_of_the_pieces(saved, one_cp
     asked = []
     real = Residency.held
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         asked.append(args[2])
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Residency, "held", counted)
     with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
