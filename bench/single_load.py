@@ -3,6 +3,7 @@
     .venv/bin/python bench/single_load.py [--gib 0.25 0.5 1 2] [--repeat 3] [--json] [--keep DIR]
                                           [--cache warm|cold|both] [--only ours,cache,direct,...]
                                           [--baseline DIR] [--memory primed|fresh]
+                                          [--threads N [N ...]] [--order shuffled|fixed] [--seed N]
 
 For each size, a synthetic fp32 metaseq singleton (``bench/_synth.py``; the same weights
 also saved as .safetensors beside it, each storage once) is loaded in a fresh process per
@@ -23,6 +24,7 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
   touched) then a copy of every tensor into fresh memory; fastsafetensors' ``fastsafe_open``
   on CPU (``nogds``), where it is installed (``pip install fastsafetensors``; not a
   requirement: the row is left out without it, and a run that fails shows its error);
+* with ``--threads N ...``, the engine again with ``$METASEQ_ONELOAD_READ_THREADS=N`` for each N;
 * with ``--baseline DIR``, the engine again from the package in ``DIR`` (say
   ``git archive REV metaseq_oneload | tar -x -C DIR``): a change's effect, in the same rounds.
 
@@ -47,7 +49,11 @@ rounds it won, and a two-sided sign test of that split). Whether a peer is faste
 there: this VM's runs spread by 20-40% between rounds, more than the differences between the
 fast rows, and the rows of one round share what disturbed it. The test is weak with few
 rounds (of 10, only a 9-1 split or more gives p < 0.05): a large p says "not shown faster",
-not "level". The rows run in a fixed order within a round.
+not "level". Each round runs its rows in a new random order (``--order shuffled``, the
+default; ``--seed``), so that no row always follows the same one: in a fixed order, cold at
+1.02 GiB, three runs of the engine that differ only in their thread count (8, then 16, then 4)
+came out 1.085, 0.911 and 0.916 s by medians, the first 1.24x the second, and which of them
+gains from the place it runs in cannot be told. ``--order fixed`` keeps the table's order.
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import random
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -98,6 +106,17 @@ def _baseline(folder: str) -> None:
     _ALL.update(rows[:at] + [("baseline", row)] + rows[at:])
 
 
+def _thread_rows(counts: list) -> None:
+    """A row per count: the engine with ``$METASEQ_ONELOAD_READ_THREADS`` set to it (a count
+    the user sets is kept whatever the page cache holds), beside the row it is compared with."""
+    rows = list(_ALL.items())
+    at = [k for k, _ in rows].index("ours") + 1
+    extra = [(f"threads{n}", (f"oneload, READ_THREADS={n}", "engine", n, {"METASEQ_ONELOAD_READ_THREADS": str(n)}))
+             for n in counts]
+    _ALL.clear()
+    _ALL.update(rows[:at] + extra + rows[at:])
+
+
 def _modes() -> list:
     """(label, mode, threads, env), in the order each round runs them (the limit's always)."""
     import importlib.util
@@ -123,12 +142,16 @@ def _prepare(gib: float, folder: str) -> str:
     return path
 
 
-def _measure(path: str, repeat: int, states=("warm", "cold"), memory: str = "primed") -> dict:
+def _measure(path: str, repeat: int, states=("warm", "cold"), memory: str = "primed",
+             order: Optional[random.Random] = None) -> dict:
+    """Every row once per round, ``repeat`` rounds per cache state; with ``order``, each
+    round's rows in an order drawn from it (else the fixed order of ``_ALL``)."""
     results: dict = {}
     files = [path, os.path.splitext(path)[0] + ".safetensors"]
     for state in states:
         for rnd in range(repeat):
-            for label, mode, n, env in _modes():
+            modes = _modes()
+            for label, mode, n, env in (order.sample(modes, len(modes)) if order is not None else modes):
                 if state == "cold":
                     drop_cache(files)
                 else:  # read again right before: this VM pages out what sat untouched for a minute
@@ -213,9 +236,21 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", choices=("primed", "fresh"), default="primed",
                     help="primed: each run first maps and frees as much memory as the file, before the "
                          "clock (the host backs its pages: read_bandwidth._prime); fresh: it does not")
+    ap.add_argument("--threads", type=int, nargs="+", default=[],
+                    help="also time the engine with $METASEQ_ONELOAD_READ_THREADS set to each count (rows threadsN)")
+    ap.add_argument("--order", choices=("shuffled", "fixed"), default="shuffled",
+                    help="shuffled: each round runs its rows in a new random order (--seed); fixed: in the "
+                         "order of the table, as before 2026-12-03")
+    ap.add_argument("--seed", type=int, default=0, help="the shuffled order's seed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     global _ONLY
+    if any(n < 1 for n in args.threads):
+        ap.error(f"--threads: {args.threads}: each count must be at least 1")
+    if args.threads:
+        _thread_rows(args.threads)
+        if args.only:
+            args.only += "," + ",".join(f"threads{n}" for n in args.threads)
     if args.baseline:
         if not os.path.isfile(os.path.join(args.baseline, "metaseq_oneload", "__init__.py")):
             ap.error(f"--baseline: {args.baseline} holds no metaseq_oneload package")
@@ -240,19 +275,23 @@ def main(argv=None) -> int:
             path = _prepare(gib, folder)
             print(f"  {path}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             size = os.path.getsize(path)
-            results = _measure(path, args.repeat, states, args.memory)
+            order = random.Random(f"{args.seed}:{gib}") if args.order == "shuffled" else None
+            results = _measure(path, args.repeat, states, args.memory, order)
             tables.append({"gib": gib, "file_bytes": size, "rows": _rows(results, size, states),
                            "paired": _paired(results, states)})
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
-    meta = {"repeat": args.repeat, "memory": args.memory, "torch": torch.__version__, "cpus": os.cpu_count()}
+    meta = {"repeat": args.repeat, "memory": args.memory, "order": args.order, "seed": args.seed,
+            "torch": torch.__version__, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps({**meta, "tables": tables}, indent=2))
         return 0
     for t in tables:
         print(f"\n{t['file_bytes'] / 2**30:.2f} GiB fp32 singleton, best and median of {args.repeat}, "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs, memory {args.memory}; 'x limit': best time over the best "
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs, memory {args.memory}, rows in "
+              f"{'a shuffled order (seed ' + str(args.seed) + ')' if args.order == 'shuffled' else 'a fixed order'}; "
+              "'x limit': best time over the best "
               "preadv-into-fresh-memory time of the same cache state (below 1: faster than the limit); "
               "'x limit, medians': the row's median over the limit rows' lower median")
         header = ["cache", "run", "best s", "median s", "GiB/s", "x limit", "x limit, medians", "read_bytes MiB"]
