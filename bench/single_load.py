@@ -79,7 +79,7 @@ MiB = 1 << 20
 LIMIT = ("preadv2", "preadv4")
 
 
-# key -> (label, mode, threads, env), in the order each round runs them; --only takes keys
+# key -> (label, mode, threads, env), in the table's order (each round's with --order fixed); --only takes keys
 _ALL = {
     "limit2": ("limit: preadv, 2 threads, fresh memory", "preadv2", 2, {}),
     "limit4": ("limit: preadv, 4 threads, fresh memory", "preadv4", 4, {}),
@@ -118,7 +118,7 @@ def _thread_rows(counts: list) -> None:
 
 
 def _modes() -> list:
-    """(label, mode, threads, env), in the order each round runs them (the limit's always)."""
+    """(label, mode, threads, env) of the rows asked for (the limit's always), in the table's order."""
     import importlib.util
 
     keys = [k for k in _ALL if not _ONLY or k in _ONLY or k in ("limit2", "limit4", "pages")]
@@ -247,6 +247,7 @@ def main(argv=None) -> int:
     global _ONLY
     if any(n < 1 for n in args.threads):
         ap.error(f"--threads: {args.threads}: each count must be at least 1")
+    args.threads = list(dict.fromkeys(args.threads))  # a count given twice is one row
     if args.threads:
         _thread_rows(args.threads)
         if args.only:

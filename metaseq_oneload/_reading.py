@@ -594,8 +594,8 @@ class RangeReader:
             return threads
         # a sample of the pieces, evenly spaced in file order: a probe per piece (16 windows
         # each) took 10 ms over a 2 GiB file's 250 pieces, before any read starts; 16 pieces
-        # took 0.7 ms, and each asked at its two ends, not in 16 windows, 0.1 ms
-        # (bench/thread_probe.py): a share of the whole, not a choice per piece
+        # took 0.43-0.66 ms, and each asked at its two ends, not in 16 windows, 0.15-0.18 ms
+        # (bench/thread_probe.py, 0.27 and 2 GiB): a share of the whole, not a choice per piece
         step = max(1, -(-len(jobs) // _SAMPLED_PIECES))
         total = held = 0.0
         for path, offset, view, *_ in jobs[::step]:
