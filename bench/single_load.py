@@ -50,10 +50,9 @@ there: this VM's runs spread by 20-40% between rounds, more than the differences
 fast rows, and the rows of one round share what disturbed it. The test is weak with few
 rounds (of 10, only a 9-1 split or more gives p < 0.05): a large p says "not shown faster",
 not "level". Each round runs its rows in a new random order (``--order shuffled``, the
-default; ``--seed``), so that no row always follows the same one: in a fixed order, cold at
-1.02 GiB, three runs of the engine that differ only in their thread count (8, then 16, then 4)
-came out 1.085, 0.911 and 0.916 s by medians, the first 1.24x the second, and which of them
-gains from the place it runs in cannot be told. ``--order fixed`` keeps the table's order.
+default; ``--seed``): in a fixed order a row always follows the same one, and what the one
+before leaves (the host's cache of the device file, memory just freed) is a position effect
+the pairing does not remove. ``--order fixed`` keeps the table's order.
 """
 
 from __future__ import annotations
