@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                     help="also time the engine with $METASEQ_ONELOAD_READ_THREADS set to each count (rows threadsN)")
     ap.add_argument("--order", choices=("shuffled", "fixed"), default="shuffled",
                     help="shuffled: each round runs its rows in a new random order (--seed); fixed: in the "
-                         "order of the table, as before 2026-12-03")
+                         "order of the table, as before commit 9cf9507")
     ap.add_argument("--seed", type=int, default=0, help="the shuffled order's seed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
