@@ -60,11 +60,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
 import tempfile
-import random
 import time
 from typing import Optional
 
@@ -94,26 +94,26 @@ _ALL = {
 _ONLY: tuple = ()
 
 
+def _beside_ours(extra: list) -> None:
+    """``extra`` rows (key, row) put right after ``ours``, the row they are compared with."""
+    rows = list(_ALL.items())
+    at = [k for k, _ in rows].index("ours") + 1
+    _ALL.clear()
+    _ALL.update(rows[:at] + extra + rows[at:])
+
+
 def _baseline(folder: str) -> None:
     """A row for the package in ``folder`` (``folder/metaseq_oneload``), first on the child's
     path: another version of the engine, timed in the same rounds as this one."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))}
-    row = (f"oneload, the package in {folder}", "engine", 8, env)
-    rows = list(_ALL.items())
-    at = [k for k, _ in rows].index("ours") + 1  # beside the row it is compared with
-    _ALL.clear()
-    _ALL.update(rows[:at] + [("baseline", row)] + rows[at:])
+    _beside_ours([("baseline", (f"oneload, the package in {folder}", "engine", 8, env))])
 
 
 def _thread_rows(counts: list) -> None:
     """A row per count: the engine with ``$METASEQ_ONELOAD_READ_THREADS`` set to it (a count
-    the user sets is kept whatever the page cache holds), beside the row it is compared with."""
-    rows = list(_ALL.items())
-    at = [k for k, _ in rows].index("ours") + 1
-    extra = [(f"threads{n}", (f"oneload, READ_THREADS={n}", "engine", n, {"METASEQ_ONELOAD_READ_THREADS": str(n)}))
-             for n in counts]
-    _ALL.clear()
-    _ALL.update(rows[:at] + extra + rows[at:])
+    the user sets is kept whatever the page cache holds)."""
+    _beside_ours([(f"threads{n}", (f"oneload, READ_THREADS={n}", "engine", n, {"METASEQ_ONELOAD_READ_THREADS": str(n)}))
+                  for n in counts])
 
 
 def _modes() -> list:
