@@ -488,3 +488,56 @@ def test_which_launches_count_as_alone(monkeypatch, env, alone):
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert launched_alone() is alone
+
+
+def test_a_cache_that_holds_only_the_thread_counts_sample_misleads_the_count_not_the_bytes(saved, one_cpu, watch,
+                                                                                          monkeypatch):
+    """The thread count's sample is trusted too: a cold file whose cache holds exactly the
+    pages that count asks (the two ends of each sampled piece, which a crafted reader elsewhere
+    could arrange) is read with the warm count, on the calling thread here: a slower read of the
+    right bytes, never wrong ones; each piece's own choice, asked in more windows, still reads
+    what the cache lacks with O_DIRECT."""
+    from metaseq_oneload import _pagecache
+
+    path, sd = saved
+    page, window = _pagecache._PAGE, _pagecache._WINDOW
+    run = _big_run(path)
+    _cold(path)
+    with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
+        jobs = reader._ordered_pieces([run])
+        step = max(1, -(-len(jobs) // _reading._SAMPLED_PIECES))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            # most sampled pieces larger than the two windows asked of each: else the sample is the whole
+            assert sum(v.numel() * v.element_size() > 4 * window * page for _, _, v, *_ in jobs[::step]) >= 4
+            for _, offset, view, *_ in jobs[::step]:  # each sampled piece's first and last window
+                a = offset // page * page
+                pages = -(-(offset + view.numel() * view.element_size() - a) // page)
+                if pages <= 2 * window:  # (the run's last bytes, say) asked whole
+                    os.pread(fd, pages * page, a)
+                    continue
+                os.pread(fd, window * page, a)
+                os.pread(fd, window * page, a + (pages - window) * page)
+            r = Residency()
+            try:  # every page of the run asked: the truth
+                told = r.held(path, fd, run[1], BIG * 4, windows=-(-BIG * 4 // (window * page)))
+            finally:
+                r.close()
+        finally:
+            os.close(fd)
+        if told is None or told > 0.4:
+            pytest.skip(f"the cache holds {told} of the run after reading the sample alone: no cold file to test")
+        assert reader._threads_for(jobs) == 1  # misled: the warm count, for a file mostly not held
+        threads = set()
+        real = _reading._pread_full
+
+        def on_thread(fd, offset, view, block=0):
+            threads.add(threading.get_ident())
+            return real(fd, offset, view, block)
+
+        monkeypatch.setattr(_reading, "_pread_full", on_thread)
+        reader.read_runs([run])
+    assert torch.equal(run[2].view(torch.int32), sd["big"].view(torch.int32))
+    assert threads == {threading.get_ident()}
+    assert _direct_bytes(watch) > BIG * 4 // 2
