@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-__all__ = ["proc_status", "proc_io", "print_table", "drop_cache"]
+__all__ = ["proc_status", "proc_io", "print_table", "drop_cache", "recache", "folio_mix", "folio_line"]
 
 
 def drop_cache(paths) -> None:
@@ -19,6 +19,97 @@ def drop_cache(paths) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def recache(paths) -> None:
+    """Out of the page cache, then read whole in file order (``cat``): each file held in the
+    folios the kernel's read-ahead builds for a sequential read (up to 2 MiB on ext4 and XFS),
+    whoever read it before. A file's cached folios are the last reader's: a mapped copy or
+    reads of 16 MiB pieces on two threads left a cold .pt mostly in 4-16 KiB folios here,
+    which ``preadv`` copies out at half the speed of 2 MiB ones (10.7 against 21 GB/s), so a
+    warm row on one file against one on another compared their histories, not their loaders."""
+    import subprocess
+
+    drop_cache(paths)
+    for p in paths:
+        with open(os.devnull, "wb") as null:
+            subprocess.run(["cat", p], stdout=null, check=True)
+
+
+def folio_mix(path: str):
+    """{folio size in bytes: share of the file's pages held in folios of that size; 0: the
+    share not cached}, from the page cache as it is (``mincore``, then ``/proc/self/pagemap`` and
+    ``/proc/kpageflags`` for the cached pages only: touching an uncached page would read it);
+    None where those cannot be read (not root, not Linux). A folio cut by the file's end
+    counts at the size seen."""
+    import collections
+    import ctypes
+    import mmap
+    import struct
+
+    tail = 1 << 16  # KPF_COMPOUND_TAIL: a page inside a folio, not its first
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        page, n = mmap.PAGESIZE, os.path.getsize(path)
+        if n == 0:
+            return {}
+        pages = -(-n // page)
+        with open(path, "rb") as f, open("/proc/self/pagemap", "rb") as pm, open("/proc/kpageflags", "rb") as kf:
+            addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                vec = ctypes.create_string_buffer(pages)
+                if libc.mincore(addr, n, vec) != 0:
+                    return None
+                resident = [b & 1 for b in vec.raw[:pages]]
+                for i in range(pages):
+                    if resident[i]:
+                        ctypes.string_at(addr + i * page, 1)  # mapped, not read: pagemap tells mapped pages only
+                pm.seek(addr // page * 8)
+                entries = struct.unpack(f"{pages}Q", pm.read(pages * 8))
+                sizes, run = collections.Counter(), 0
+                for i, e in enumerate(entries):
+                    pfn = e & ((1 << 55) - 1)
+                    if resident[i] and e >> 63 and pfn == 0:  # PFNs hidden (not root)
+                        return None
+                    if not resident[i] or not e >> 63:
+                        flags = None
+                    else:
+                        kf.seek(pfn * 8)
+                        flags = struct.unpack("Q", kf.read(8))[0]
+                    if flags is not None and flags & tail and run:
+                        run += 1
+                        continue
+                    if run:
+                        sizes[run] += 1
+                    run = 0 if flags is None else 1
+                if run:
+                    sizes[run] += 1
+            finally:
+                libc.munmap(addr, n)
+    except (OSError, ValueError, AttributeError):
+        return None
+    mix = {k * page: k * v / pages for k, v in sorted(sizes.items())}
+    missing = pages - sum(resident)
+    return {**mix, 0: missing / pages} if missing else mix
+
+
+def folio_line(paths) -> str:
+    """One line: each file's pages by the size of the folio holding them (``folio_mix``; shares
+    under 1% left out), or 'not known'."""
+    def one(p):
+        mix = folio_mix(p)
+        if mix is None:
+            return f"{os.path.basename(p)}: not known (needs root)"
+        return f"{os.path.basename(p)}: " + ", ".join(
+            (f"{share:.0%} in {size // 1024} KiB folios" if size else f"{share:.0%} not cached")
+            for size, share in sorted(mix.items(), reverse=True) if share >= 0.01) or "empty"
+    return "; ".join(one(p) for p in paths)
 
 
 def proc_status(field: str) -> int:

@@ -6,7 +6,9 @@
 copy does) lands cached bytes faster than ``preadv``. Timed between processes, the rows of
 ``bench/single_load.py`` spread by 20-40% from one round to the next on the VM this was
 measured on, more than the paths differ; here every path runs in one process, on one file
-held by the page cache, ``--rounds`` times in a shuffled order each round, each into a fresh
+held by the page cache (dropped, then read whole first: in the folios a sequential read
+builds, up to 2 MiB, which a mapping faults in one at a time; the table says what they were),
+``--rounds`` times in a shuffled order each round, each into a fresh
 anonymous mapping of the file's size (unmapped after), on a pool of ``--threads`` threads
 taking ``--piece-mib`` MiB pieces (the engine's reader's pieces):
 
@@ -49,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.dirname(HERE))
 
-from bench._report import print_table  # noqa: E402
+from bench._report import folio_line, print_table, recache  # noqa: E402
 from bench.single_load import sign_test  # noqa: E402
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -129,7 +131,7 @@ def _land(path: str, fd: int, src: int, size: int, pool, piece: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("file", help="a file to land (read whole into the page cache first)")
+    ap.add_argument("file", help="a file to land (dropped from the page cache, then read whole into it first)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--piece-mib", type=int, default=16)
@@ -138,9 +140,8 @@ def main(argv=None) -> int:
     size = os.path.getsize(args.file)
     fd = os.open(args.file, os.O_RDONLY)
     src = _mmap(size, _PROT_READ, _MAP_SHARED, fd)
-    with open(args.file, "rb") as f:  # warm: every byte in the page cache
-        while f.read(64 << 20):
-            pass
+    recache([args.file])  # warm, in the folios a sequential read builds (a mapping's faults depend on them)
+    folios = folio_line([args.file])
     keys = list(PATHS)
     times: dict = {k: [] for k in keys}
     with ThreadPoolExecutor(args.threads) as pool:
@@ -159,11 +160,13 @@ def main(argv=None) -> int:
                      "faster_rounds": sum(r < 1 for r in ratios),
                      "sign_p": round(sign_test(sum(r < 1 for r in ratios), len(ratios)), 4)})
     if args.json:
-        print(json.dumps({"file_bytes": size, "rounds": args.rounds, "threads": args.threads, "rows": rows}, indent=2))
+        print(json.dumps({"file_bytes": size, "rounds": args.rounds, "threads": args.threads, "folios": folios,
+                          "rows": rows}, indent=2))
         return 0
     print(f"{size / 2**30:.2f} GiB held by the page cache into fresh memory, {args.threads} threads, "
           f"{args.piece_mib} MiB pieces, {args.rounds} rounds in one process; 'over {PATHS[keys[0]]}': "
           "the path's time over that row's in the same round")
+    print(f"page cache (dropped, then read whole): {folios}")
     print_table(["path", "median s", "best s", f"over {PATHS[keys[0]]}, median", "faster in", "sign p"],
                 [[r["path"], f"{r['median_s']:.4f}", f"{r['best_s']:.4f}", f"{r['ratio_median']:.3f}"]
                  + (["-", "-"] if r["path"] == PATHS[keys[0]] else

@@ -30,7 +30,13 @@ run (imports before the clock, as in ``bench/read_bandwidth.py``, whose child ru
 
 Warm: the files are in the page cache, read again (``cat``) right before each run: the VM this
 was measured on pages out memory left untouched for a minute (DAMON), and a warm run that
-went to the device is not one (``read_bytes`` shows it). Cold: ``posix_fadvise(DONTNEED)`` on the files before
+went to the device is not one (``read_bytes`` shows it). Before the first warm round both
+files are dropped and read whole (``_report.recache``): a cached file is held in the folios
+its last reader's reads built, and a .pt left by a mapped copy or by the limit's 16 MiB pieces
+on two threads sat mostly in 4-16 KiB folios, which ``preadv`` copies out at half the speed of
+the 2 MiB folios the .safetensors beside it sat in (a warm row of one against the other
+compared the files' histories, as every warm table of this bench before this step did). The table
+says what the cache held then (``_report.folio_line``; root only). Cold: ``posix_fadvise(DONTNEED)`` on the files before
 each run (``read_bytes`` shows each run fetched the file from the device). Rows alternate
 within a round; the table gives the best and the median of ``--repeat`` rounds, and each
 row's time over the limit's twice: best over best (``x limit``), and median over the lower
@@ -71,7 +77,7 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench._report import drop_cache, print_table  # noqa: E402
+from bench._report import drop_cache, folio_line, print_table, recache  # noqa: E402
 from bench.read_bandwidth import run_mode, with_safetensors  # noqa: E402
 
 MiB = 1 << 20
@@ -144,10 +150,15 @@ def _prepare(gib: float, folder: str) -> str:
 def _measure(path: str, repeat: int, states=("warm", "cold"), memory: str = "primed",
              order: Optional[random.Random] = None) -> dict:
     """Every row once per round, ``repeat`` rounds per cache state; with ``order``, each
-    round's rows in an order drawn from it (else the fixed order of ``_ALL``)."""
+    round's rows in an order drawn from it (else the fixed order of ``_ALL``). Keyed by
+    (state, label), and ``folios``: what the cache held before the warm rounds."""
     results: dict = {}
     files = [path, os.path.splitext(path)[0] + ".safetensors"]
     for state in states:
+        if state == "warm":  # both files in a sequential read's folios, whatever read them last
+            recache(files)
+            results["folios"] = folio_line(files)
+            print(f"  page cache before the warm rounds: {results['folios']}", file=sys.stderr)
         for rnd in range(repeat):
             modes = _modes()
             for label, mode, n, env in (order.sample(modes, len(modes)) if order is not None else modes):
@@ -278,7 +289,7 @@ def main(argv=None) -> int:
             order = random.Random(f"{args.seed}:{gib}") if args.order == "shuffled" else None
             results = _measure(path, args.repeat, states, args.memory, order)
             tables.append({"gib": gib, "file_bytes": size, "rows": _rows(results, size, states),
-                           "paired": _paired(results, states)})
+                           "paired": _paired(results, states), "warm_folios": results.get("folios")})
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -300,6 +311,8 @@ def main(argv=None) -> int:
                  f"{r['x_limit']:.2f}x", f"{r['x_limit_median']:.2f}x", str(r["read_bytes_mib"])]
                 for r in t["rows"]]
         print_table(header, body)
+        if t["warm_folios"]:
+            print(f"page cache before the warm rounds (dropped, then read whole): {t['warm_folios']}")
         if t["paired"]:
             print(f"\n{t['file_bytes'] / 2**30:.2f} GiB, round by round: ours' time over the row's in the same round; "
                   "'sign p': two-sided sign test of 'ours faster' rounds (small: the split is not chance)")

@@ -509,8 +509,10 @@ def test_a_cache_that_holds_only_the_thread_counts_sample_misleads_the_count_not
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            # most sampled pieces larger than the two windows asked of each: else the sample is the whole
-            assert sum(v.numel() * v.element_size() > 4 * window * page for _, _, v, *_ in jobs[::step]) >= 4
+            # most sampled pieces larger than the two windows asked of each: else (64 KiB pages,
+            # say) the sample is the whole and there is nothing to mislead
+            if sum(v.numel() * v.element_size() > 4 * window * page for _, _, v, *_ in jobs[::step]) < 4:
+                pytest.skip("the pieces are too few pages for their two ends to differ from the whole")
             for _, offset, view, *_ in jobs[::step]:  # each sampled piece's first and last window
                 a = offset // page * page
                 pages = -(-(offset + view.numel() * view.element_size() - a) // page)
@@ -520,12 +522,15 @@ def test_a_cache_that_holds_only_the_thread_counts_sample_misleads_the_count_not
                 os.pread(fd, window * page, a)
                 os.pread(fd, window * page, a + (pages - window) * page)
             r = Residency()
-            try:  # every page of the run asked: the truth
+            try:  # what the sample is told (reads a file system does not cache leave it cold), and the truth
+                sample = {r.held(path, fd, o, v.numel() * v.element_size(), windows=2) for _, o, v, *_ in jobs[::step]}
                 told = r.held(path, fd, run[1], BIG * 4, windows=-(-BIG * 4 // (window * page)))
             finally:
                 r.close()
         finally:
             os.close(fd)
+        if sample != {1.0}:
+            pytest.skip(f"the sampled pages are not all cached after reading them ({sample}): nothing to mislead")
         if told is None or told > 0.4:
             pytest.skip(f"the cache holds {told} of the run after reading the sample alone: no cold file to test")
         assert reader._threads_for(jobs) == 1  # misled: the warm count, for a file mostly not held
