@@ -434,17 +434,23 @@ def test_the_thread_count_asks_the_cache_of_a_sample_of_the_pieces(saved, one_cp
     assert asked[0] == jobs[0][1] and max(asked) > jobs[len(jobs) * 3 // 4][1]  # spread over the file
 
 
-def test_a_warm_lone_read_on_one_cpu_is_read_on_the_calling_thread(saved, one_cpu, monkeypatch):
-    path, sd = saved
-    _warm(path)
+def _reading_threads(monkeypatch) -> set:
+    """The threads that read from now on (``_pread_full`` wrapped, never replaced)."""
     threads = set()
     real = _reading._pread_full
 
-    def counted(fd, offset, view, block=0):
+    def on_thread(fd, offset, view, block=0):
         threads.add(threading.get_ident())
         return real(fd, offset, view, block)
 
-    monkeypatch.setattr(_reading, "_pread_full", counted)
+    monkeypatch.setattr(_reading, "_pread_full", on_thread)
+    return threads
+
+
+def test_a_warm_lone_read_on_one_cpu_is_read_on_the_calling_thread(saved, one_cpu, monkeypatch):
+    path, sd = saved
+    _warm(path)
+    threads = _reading_threads(monkeypatch)
     run = _big_run(path)
     with RangeReader(alone=True, settings=Settings(o_direct=None)) as reader:
         reader.read_runs([run])
@@ -534,14 +540,7 @@ def test_a_cache_that_holds_only_the_thread_counts_sample_misleads_the_count_not
         if told is None or told > 0.4:
             pytest.skip(f"the cache holds {told} of the run after reading the sample alone: no cold file to test")
         assert reader._threads_for(jobs) == 1  # misled: the warm count, for a file mostly not held
-        threads = set()
-        real = _reading._pread_full
-
-        def on_thread(fd, offset, view, block=0):
-            threads.add(threading.get_ident())
-            return real(fd, offset, view, block)
-
-        monkeypatch.setattr(_reading, "_pread_full", on_thread)
+        threads = _reading_threads(monkeypatch)
         reader.read_runs([run])
     assert torch.equal(run[2].view(torch.int32), sd["big"].view(torch.int32))
     assert threads == {threading.get_ident()}
