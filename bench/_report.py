@@ -24,10 +24,10 @@ def drop_cache(paths) -> None:
 def recache(paths) -> None:
     """Out of the page cache, then read whole in file order (``cat``): each file held in the
     folios the kernel's read-ahead builds for a sequential read (up to 2 MiB on ext4 and XFS),
-    whoever read it before. A file's cached folios are the last reader's: a mapped copy or
-    reads of 16 MiB pieces on two threads left a cold .pt mostly in 4-16 KiB folios here,
-    which ``preadv`` copies out at half the speed of 2 MiB ones (10.7 against 21 GB/s), so a
-    warm row on one file against one on another compared their histories, not their loaders."""
+    whoever read it before. A file's cached folios are its last cold reader's: a mapped copy
+    left a .pt mostly in 4-16 KiB folios here, which ``preadv`` copied out 1.2-1.3x slower than
+    2 MiB ones (``bench/cache_folios.py``), so a warm row on one file against one on another
+    compared their histories, not their loaders."""
     import subprocess
 
     drop_cache(paths)

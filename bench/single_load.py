@@ -32,10 +32,10 @@ Warm: the files are in the page cache, read again (``cat``) right before each ru
 was measured on pages out memory left untouched for a minute (DAMON), and a warm run that
 went to the device is not one (``read_bytes`` shows it). Before the first warm round both
 files are dropped and read whole (``_report.recache``): a cached file is held in the folios
-its last reader's reads built, and a .pt left by a mapped copy or by the limit's 16 MiB pieces
-on two threads sat mostly in 4-16 KiB folios, which ``preadv`` copies out at half the speed of
-the 2 MiB folios the .safetensors beside it sat in (a warm row of one against the other
-compared the files' histories, as every warm table of this bench before this step did). The table
+its last cold reader's reads built, and a .pt left by a mapped copy sat mostly in 4-16 KiB
+folios, which ``preadv`` copied out 1.2-1.3x slower than the 2 MiB folios the .safetensors
+beside it sat in (``bench/cache_folios.py``): a warm row of one against the other compared the
+files' histories, as every warm table of this bench before this step did. The table
 says what the cache held then (``_report.folio_line``; root only). Cold: ``posix_fadvise(DONTNEED)`` on the files before
 each run (``read_bytes`` shows each run fetched the file from the device). Rows alternate
 within a round; the table gives the best and the median of ``--repeat`` rounds, and each
