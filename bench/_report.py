@@ -47,20 +47,19 @@ def folio_mix(path: str):
     import mmap
     import struct
 
+    from metaseq_oneload._pagecache import _LIBC as libc, _MAP_FAILED  # the engine's own mincore binding
+
     tail = 1 << 16  # KPF_COMPOUND_TAIL: a page inside a folio, not its first
+    if libc is None:
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         page, n = mmap.PAGESIZE, os.path.getsize(path)
         if n == 0:
             return {}
         pages = -(-n // page)
         with open(path, "rb") as f, open("/proc/self/pagemap", "rb") as pm, open("/proc/kpageflags", "rb") as kf:
             addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
+            if addr in (None, _MAP_FAILED):
                 return None
             try:
                 vec = ctypes.create_string_buffer(pages)
@@ -92,7 +91,7 @@ def folio_mix(path: str):
                     sizes[run] += 1
             finally:
                 libc.munmap(addr, n)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return None
     mix = {k * page: k * v / pages for k, v in sorted(sizes.items())}
     missing = pages - sum(resident)

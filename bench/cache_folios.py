@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.dirname(HERE))
 
 from bench._report import drop_cache, folio_mix, print_table, recache  # noqa: E402
-from bench.read_bandwidth import run_mode  # noqa: E402
+from bench.read_bandwidth import _pread_all_at, run_mode  # noqa: E402
 
 _PIECE = 16 << 20
 
@@ -48,18 +48,10 @@ def _cached_gbps(path: str, view: memoryview, pool, reps: int) -> list:
     size = os.path.getsize(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        def one(a: int) -> None:
-            n, done = min(_PIECE, size - a), 0
-            while done < n:
-                got = os.preadv(fd, [view[a + done:a + n]], a + done)
-                if got <= 0:
-                    raise RuntimeError(f"short read at {a + done}")
-                done += got
-
         out = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            list(pool.map(one, range(0, size, _PIECE)))
+            list(pool.map(lambda a: _pread_all_at(fd, view, a, min(size, a + _PIECE)), range(0, size, _PIECE)))
             out.append(size / (time.perf_counter() - t0) / 1e9)
         return out
     finally:
